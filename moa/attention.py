@@ -1,0 +1,216 @@
+"""The Mixture-of-Attention-heads module (MoA, Zhang et al. 2022, Sec. 3).
+
+For a query token x_t routed to experts G(x_t) with gate weights w (see
+:mod:`moa.routing`):
+
+    q_{t,i} = x_t W_q^i                      (one query head per selected expert)
+    K = X_kv W_k,  V = X_kv W_v              (ONE shared key/value head of width D)
+    o_{t,i} = softmax(q_{t,i} K^T / sqrt(D)) V
+    y_t = sum_{i in G(x_t)} w_{t,i} o_{t,i} W_o^i
+
+The attention core is multi-query attention with k routed query heads per
+token; the incremental-decoding cache holds the single shared head, (batch,
+length, D). Only the selected experts' projections are computed.
+
+The module follows fairseq's ``MultiheadAttention`` contract (time-first
+inputs, ``(output, weights_or_None)``, incremental state, beam reordering) so
+that fairseq's Transformer layers use it unchanged.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from fairseq import utils
+from fairseq.incremental_decoding_utils import with_incremental_state
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from torch import Tensor, nn
+
+from moa.experts import ExpertDispatch, ExpertLinear
+from moa.routing import Routing, TopKRouter
+
+IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+
+@with_incremental_state
+class MixtureOfAttentionHeads(nn.Module):
+    """MoA attention with ``num_experts`` experts, ``top_k`` per token, head width ``head_dim``.
+
+    Parameters: router W_g (E x d_model), W_q (E x d_model x D), W_o (E x D x d_model),
+    shared W_k (kdim -> D) and W_v (vdim -> D); biases only with ``bias=True``.
+
+    After each forward, ``self.routing`` holds the :class:`~moa.routing.Routing`
+    of the queries (auxiliary losses over non-padding tokens); criterions read it
+    through :func:`moa.criterions.aux_loss.pop_routings`.
+
+    Query padding: for self-attention it is ``key_padding_mask``; for
+    encoder-decoder attention the decoder sets ``query_padding_mask`` (batch,
+    tgt_len) before running its layers, since fairseq passes only key padding.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_experts: int,
+        top_k: int,
+        head_dim: int,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        dropout: float = 0.0,
+        bias: bool = False,
+        self_attention: bool = False,
+        encoder_decoder_attention: bool = False,
+        gate_weights: str = "renormalized",
+    ):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.head_dim = head_dim
+        self.num_heads = top_k  # fairseq's layers read .num_heads and .head_dim
+        self.scaling = head_dim ** -0.5
+        self.self_attention = self_attention
+        self.encoder_decoder_attention = encoder_decoder_attention
+        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
+
+        self.router = TopKRouter(embed_dim, num_experts, top_k, gate_weights)
+        self.q_experts = ExpertLinear(num_experts, embed_dim, head_dim, bias)
+        self.k_proj = nn.Linear(kdim or embed_dim, head_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim or embed_dim, head_dim, bias=bias)
+        self.o_experts = ExpertLinear(num_experts, head_dim, embed_dim, bias)
+        for proj in (self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight)
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+
+        self.query_padding_mask: Optional[Tensor] = None
+        self.routing: Optional[Routing] = None
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """query: (tgt_len, batch, embed_dim); key/value: (src_len, batch, kdim/vdim).
+
+        key_padding_mask: (batch, src_len), True/1 at padding. attn_mask: (tgt_len,
+        src_len), additive float (fairseq's -inf future mask) or bool (True = blocked).
+        Returns output (tgt_len, batch, embed_dim) and, when asked for, attention
+        weights averaged over the selected experts (batch, tgt_len, src_len), or per
+        selected slot (top_k, batch, tgt_len, src_len) with ``need_head_weights``.
+        """
+        if before_softmax:
+            raise NotImplementedError("MixtureOfAttentionHeads does not return pre-softmax scores")
+        need_weights = need_weights or need_head_weights
+        tgt_len, bsz, embed_dim = query.shape
+        if embed_dim != self.embed_dim:
+            raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
+
+        keys, values, key_padding_mask = self._shared_key_value(
+            key, value, key_padding_mask, incremental_state, static_kv
+        )
+
+        # Route the queries; tokens are flattened time-first: n = t * bsz + b.
+        x = query.reshape(tgt_len * bsz, embed_dim)
+        routing = self.router(x, self._flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
+        self.routing = routing
+        dispatch = ExpertDispatch(routing.experts, self.num_experts)
+
+        q = dispatch.unsort(self.q_experts(dispatch.gather_tokens(x), dispatch.group_sizes))  # (N, k, D)
+        q = q.view(tgt_len, bsz, self.top_k, self.head_dim).transpose(0, 1)
+        q = q.reshape(bsz, tgt_len * self.top_k, self.head_dim) * self.scaling
+
+        src_len = keys.size(1)
+        scores = torch.bmm(q, keys.transpose(1, 2)).view(bsz, tgt_len, self.top_k, src_len)
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                scores = scores.masked_fill(attn_mask[None, :, None, :], float("-inf"))
+            else:
+                scores = scores + attn_mask.to(scores.dtype)[None, :, None, :]
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(key_padding_mask.bool()[:, None, None, :], float("-inf"))
+        probs = utils.softmax(scores, dim=-1).type_as(scores)  # (B, T, k, S)
+
+        o = torch.bmm(self.dropout_module(probs).view(bsz, tgt_len * self.top_k, src_len), values)
+        o = o.view(bsz, tgt_len, self.top_k, self.head_dim).transpose(0, 1)
+        o = o.reshape(tgt_len * bsz, self.top_k, self.head_dim) * routing.weights.unsqueeze(-1)
+        y = dispatch.unsort(self.o_experts(dispatch.sort(o), dispatch.group_sizes)).sum(dim=1)
+        y = y.view(tgt_len, bsz, self.embed_dim)
+
+        weights: Optional[Tensor] = None
+        if need_weights:
+            weights = probs.permute(2, 0, 1, 3) if need_head_weights else probs.mean(dim=2)
+        return y, weights
+
+    def _shared_key_value(self, key, value, key_padding_mask, incremental_state, static_kv):
+        """Project the shared K/V head, (batch, src_len, D), through the incremental cache."""
+        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
+        if static_kv and saved is not None and "prev_key" in saved:
+            return saved["prev_key"], saved["prev_value"], key_padding_mask
+        if key is None or value is None:
+            raise ValueError("MixtureOfAttentionHeads needs key and value unless they are cached (static_kv)")
+        keys = self.k_proj(key).transpose(0, 1)
+        values = self.v_proj(value).transpose(0, 1)
+        if saved is not None:
+            if not static_kv and "prev_key" in saved:
+                prev_len = saved["prev_key"].size(1)
+                keys = torch.cat([saved["prev_key"], keys], dim=1)
+                values = torch.cat([saved["prev_value"], values], dim=1)
+                key_padding_mask = _cat_padding(saved.get("prev_key_padding_mask"), key_padding_mask,
+                                                keys.size(0), prev_len, keys.size(1) - prev_len)
+            saved["prev_key"], saved["prev_value"] = keys, values
+            if not static_kv:
+                saved["prev_key_padding_mask"] = key_padding_mask
+            self._set_input_buffer(incremental_state, saved)
+        return keys, values, key_padding_mask
+
+    def _flat_query_padding(self, key_padding_mask, incremental_state, tgt_len, bsz) -> Optional[Tensor]:
+        """(tgt_len * bsz,) bool padding of the queries, or None when unknown/none."""
+        mask = self.query_padding_mask
+        if mask is None and self.self_attention and incremental_state is None:
+            mask = key_padding_mask
+        if mask is None:
+            return None
+        if mask.shape != (bsz, tgt_len):
+            raise ValueError(f"query padding mask has shape {tuple(mask.shape)}, expected {(bsz, tgt_len)}")
+        return mask.bool().transpose(0, 1).reshape(-1)
+
+    def reorder_incremental_state(self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor):
+        """Re-index every cached tensor along the batch dimension (beam search)."""
+        buffer = self._get_input_buffer(incremental_state)
+        if buffer:
+            for name, cached in buffer.items():
+                if cached is not None:
+                    buffer[name] = cached.index_select(0, new_order)
+            incremental_state = self._set_input_buffer(incremental_state, buffer)
+        return incremental_state
+
+    def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
+        result = self.get_incremental_state(incremental_state, "attn_state")
+        return result if result is not None else {}
+
+    def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
+        return self.set_incremental_state(incremental_state, "attn_state", buffer)
+
+    def extra_repr(self) -> str:
+        return (f"{self.top_k}K{self.num_experts}E{self.head_dim}D, embed_dim={self.embed_dim}, "
+                f"self_attention={self.self_attention}, encoder_decoder_attention={self.encoder_decoder_attention}")
+
+
+def _cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int):
+    """Concatenate cached and new key padding masks (batch, len); None when neither has padding."""
+    if prev is None and new is None:
+        return None
+    device = (prev if prev is not None else new).device
+    if prev is None:
+        prev = torch.zeros(bsz, prev_len, dtype=torch.bool, device=device)
+    if new is None:
+        new = torch.zeros(bsz, new_len, dtype=torch.bool, device=device)
+    return torch.cat([prev.bool(), new.bool()], dim=1)

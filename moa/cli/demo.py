@@ -1,0 +1,136 @@
+"""``moa-demo``: prepare -> train -> generate -> score an MoA translation model, offline.
+
+Runs the stock fairseq CLIs (``fairseq-preprocess``, ``fairseq-train``,
+``fairseq-generate``) in subprocesses on the generated English->German corpus of
+:mod:`moa.data.number_phrases`, then scores the detokenised output against the
+plain-text references with sacreBLEU. Every step writes into ``--workdir``.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import sacrebleu
+import torch
+
+import moa
+from moa.data.number_phrases import generate_splits
+
+USER_DIR = os.path.dirname(os.path.abspath(moa.__file__))
+SPLITS = ("train", "valid", "test")
+
+
+def write_corpus(folder: str, sizes: dict, seed: int) -> None:
+    """Write {split}.en/.de (tokens) and {split}.ref.de (plain text) into ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    for split, pairs in generate_splits(sizes, seed).items():
+        for suffix, column in (("en", 0), ("de", 1), ("ref.de", 3)):
+            with open(os.path.join(folder, f"{split}.{suffix}"), "w", encoding="utf-8") as f:
+                f.writelines(pair[column] + "\n" for pair in pairs)
+
+
+def run(cmd, log_path: str) -> None:
+    """Run one fairseq CLI, its output to ``log_path``; on failure show the log's tail and stop."""
+    print("+ " + " ".join(cmd), flush=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        with open(log_path, encoding="utf-8") as log:
+            tail = log.read()[-3000:]
+        sys.exit(f"{cmd[0]} failed with exit code {code}; the end of {log_path}:\n{tail}")
+
+
+def cli(name: str) -> str:
+    """The path of a console script installed beside this Python (fairseq-train, ...)."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.exists(path) else name
+
+
+def read_hypotheses(generate_log: str) -> dict:
+    """``{sentence id: detokenised hypothesis}`` from fairseq-generate's D- lines."""
+    hyps = {}
+    with open(generate_log, encoding="utf-8") as f:
+        for line in f:
+            match = re.match(r"^D-(\d+)\t[^\t]*\t(.*)$", line.rstrip("\n"))
+            if match:
+                hyps[int(match.group(1))] = match.group(2)
+    return hyps
+
+
+def score(hypotheses: dict, reference_file: str):
+    """sacreBLEU of the hypotheses against the plain references; every sentence must be there."""
+    with open(reference_file, encoding="utf-8") as f:
+        refs = [line.rstrip("\n") for line in f]
+    missing = sorted(set(range(len(refs))) - set(hypotheses))
+    if missing:
+        raise RuntimeError(f"fairseq-generate translated {len(hypotheses)} of {len(refs)} test sentences; "
+                           f"missing ids start {missing[:5]}")
+    hyps = [hypotheses[i] for i in range(len(refs))]
+    bleu = sacrebleu.metrics.BLEU()
+    return bleu.corpus_score(hyps, [refs]), bleu.get_signature(), hyps, refs
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="moa-demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", default="moa-demo-run", help="folder for data, checkpoints and logs")
+    parser.add_argument("--arch", default="moa_small")
+    parser.add_argument("--train-size", type=int, default=40000)
+    parser.add_argument("--test-size", type=int, default=500)
+    parser.add_argument("--max-update", type=int, default=1600)
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fresh", action="store_true", help="delete --workdir first")
+    parser.add_argument("--train-args", default="", help="extra fairseq-train arguments, e.g. '--moa-top-k 2'")
+    args = parser.parse_args(argv)
+
+    if args.fresh and os.path.isdir(args.workdir):
+        shutil.rmtree(args.workdir)
+    raw, data_bin, ckpt = (os.path.join(args.workdir, d) for d in ("raw", "data-bin", "checkpoints"))
+    os.makedirs(args.workdir, exist_ok=True)
+    device = [] if torch.cuda.is_available() else ["--cpu"]
+    started = time.time()
+
+    print(f"[1/4] corpus: {args.train_size} generated en-de training pairs -> {raw}", flush=True)
+    write_corpus(raw, {"train": args.train_size, "valid": 300, "test": args.test_size}, args.seed)
+    if os.path.isdir(data_bin):
+        shutil.rmtree(data_bin)
+    run([cli("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
+         "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
+         "--destdir", data_bin, "--joined-dictionary", "--workers", "2"],
+        os.path.join(args.workdir, "preprocess.log"))
+
+    print(f"[2/4] train {args.arch} for {args.max_update} updates (log: {args.workdir}/train.log)", flush=True)
+    if os.path.isdir(ckpt):
+        shutil.rmtree(ckpt)
+    run([cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", args.arch, *device,
+         "--task", "translation", "--share-all-embeddings",
+         "--criterion", "moa_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
+         "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "300",
+         "--dropout", "0.1", "--max-tokens", str(args.max_tokens), "--max-update", str(args.max_update),
+         "--seed", str(args.seed), "--save-dir", ckpt, "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "100",
+         "--num-workers", "0", *args.train_args.split()],
+        os.path.join(args.workdir, "train.log"))
+
+    print("[3/4] translate the test set with beam 4", flush=True)
+    generate_log = os.path.join(args.workdir, "generate.log")
+    run([cli("fairseq-generate"), data_bin, "--user-dir", USER_DIR, *device, "--gen-subset", "test",
+         "--path", os.path.join(ckpt, "checkpoint_last.pt"), "--beam", "4", "--lenpen", "0.6",
+         "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "subword_nmt",
+         "--num-workers", "0"], generate_log)
+
+    result, signature, hyps, refs = score(read_hypotheses(generate_log), os.path.join(raw, "test.ref.de"))
+    print(f"[4/4] sacreBLEU on {len(hyps)} test sentences ({time.time() - started:.0f} s in all)")
+    for hyp, ref in list(zip(hyps, refs))[:3]:
+        print(f"  REF {ref}\n  HYP {hyp}")
+    print(f"BLEU = {result.score:.2f}  ({signature})")
+    return result.score
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""Criterions; fairseq does not import a user dir's criterions by itself."""
+
+from moa.criterions import moa_label_smoothed_cross_entropy  # noqa: F401

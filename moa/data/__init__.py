@@ -1,0 +1,1 @@
+"""Data the project generates itself (no third-party text)."""

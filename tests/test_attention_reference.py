@@ -1,0 +1,133 @@
+"""MixtureOfAttentionHeads against a slow reference that loops over tokens and experts."""
+
+import pytest
+import torch
+
+from moa.attention import MixtureOfAttentionHeads
+
+
+def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mask=None, attn_mask=None):
+    """The paper's equations token by token: route, then for each selected expert
+    q = x W_q^e, o = softmax(q K^T / sqrt(D)) V, y += w * o W_o^e."""
+    tgt_len, bsz, _ = query.shape
+    src_len = key.shape[0]
+    out = torch.zeros_like(query)
+    w_k, w_v = m.k_proj.weight, m.v_proj.weight
+    for b in range(bsz):
+        keys = key[:, b] @ w_k.T  # (S, D)
+        values = value[:, b] @ w_v.T
+        for t in range(tgt_len):
+            x = query[t, b]
+            probs = torch.softmax(m.router.weight.float() @ x.float(), dim=-1)
+            top_p, top_e = probs.topk(m.top_k)
+            if m.router.gate_weights == "renormalized":
+                gates = top_p / top_p.sum().detach()
+            else:
+                gates = top_p
+            y = torch.zeros_like(x)
+            for gate, e in zip(gates, top_e.tolist()):
+                q = x @ m.q_experts.weight[e]
+                scores = []
+                for s in range(src_len):
+                    blocked = key_padding_mask is not None and bool(key_padding_mask[b, s])
+                    if attn_mask is not None:
+                        blocked = blocked or (bool(attn_mask[t, s]) if attn_mask.dtype == torch.bool
+                                              else float(attn_mask[t, s]) == float("-inf"))
+                    score = (q @ keys[s]) * m.head_dim ** -0.5
+                    scores.append(torch.full_like(score, float("-inf")) if blocked else score)
+                attn = torch.softmax(torch.stack(scores), dim=0)
+                o = attn @ values
+                y = y + gate.to(x.dtype) * (o @ m.o_experts.weight[e])
+            out[t, b] = y
+    return out
+
+
+def _module(num_experts, top_k, gate_weights="renormalized", **kw):
+    torch.manual_seed(1)
+    return MixtureOfAttentionHeads(16, num_experts, top_k, 8, gate_weights=gate_weights, **kw).double()
+
+
+def _check_outputs_and_grads(m, query, key, value, **masks):
+    inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
+    params = [p for p in m.parameters()]
+    probe = torch.randn_like(query)
+    got, _ = m(*inputs, need_weights=False, **masks)
+    got_grads = torch.autograd.grad((got * probe).sum(), params + inputs)
+    ref_inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
+    want = reference_moa(m, *ref_inputs, **masks)
+    want_grads = torch.autograd.grad((want * probe).sum(), params + ref_inputs)
+    # The router runs in float32 (as in the paper's code), so gates agree to float32 precision.
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, **tol)
+    names = [n for n, _ in m.named_parameters()] + ["query", "key", "value"]
+    for name, g, w in zip(names, got_grads, want_grads):
+        torch.testing.assert_close(g, w, **tol, msg=lambda msg: f"gradient of {name}: {msg}")
+
+
+@pytest.mark.parametrize("gate_weights", ["renormalized", "raw"])
+def test_self_attention_with_padding_matches_reference(gate_weights):
+    m = _module(6, 2, gate_weights, self_attention=True)
+    x = torch.randn(7, 3, 16, dtype=torch.double)
+    padding = torch.zeros(3, 7, dtype=torch.bool)
+    padding[1, 5:] = True
+    padding[2, 3:] = True
+    _check_outputs_and_grads(m, x, x, x, key_padding_mask=padding)
+
+
+def test_causal_self_attention_matches_reference():
+    m = _module(5, 3, self_attention=True)
+    x = torch.randn(6, 2, 16, dtype=torch.double)
+    future = torch.triu(torch.full((6, 6), float("-inf"), dtype=torch.double), 1)
+    _check_outputs_and_grads(m, x, x, x, attn_mask=future)
+    bool_future = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    _check_outputs_and_grads(m, x, x, x, attn_mask=bool_future)
+
+
+def test_encoder_decoder_attention_matches_reference():
+    torch.manual_seed(2)
+    m = MixtureOfAttentionHeads(16, 4, 2, 8, kdim=12, vdim=12, encoder_decoder_attention=True).double()
+    query = torch.randn(5, 2, 16, dtype=torch.double)
+    memory = torch.randn(9, 2, 12, dtype=torch.double)
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[0, 6:] = True
+    _check_outputs_and_grads(m, query, memory, memory, key_padding_mask=padding)
+
+
+def test_all_experts_selected_matches_reference():
+    m = _module(4, 4, self_attention=True)
+    x = torch.randn(5, 2, 16, dtype=torch.double)
+    _check_outputs_and_grads(m, x, x, x)
+
+
+def test_attention_weights_are_averaged_over_selected_experts():
+    m = _module(4, 2, self_attention=True)
+    x = torch.randn(5, 2, 16, dtype=torch.double)
+    _, mean_weights = m(x, x, x, need_weights=True)
+    _, per_slot = m(x, x, x, need_head_weights=True)
+    assert mean_weights.shape == (2, 5, 5) and per_slot.shape == (2, 2, 5, 5)
+    torch.testing.assert_close(mean_weights, per_slot.mean(dim=0))
+    torch.testing.assert_close(mean_weights.sum(-1), torch.ones(2, 5, dtype=torch.double))
+
+
+def test_projections_run_only_on_routed_rows(monkeypatch):
+    """Each expert matmul sees exactly the rows routed to it: N*k rows in all, not N*E."""
+    m = _module(8, 2, self_attention=True)
+    x = torch.randn(6, 3, 16, dtype=torch.double)
+    seen = []
+    original = type(m.q_experts).forward
+
+    def counting(self, grouped, group_sizes):
+        seen.append((grouped.shape[0], list(group_sizes)))
+        return original(self, grouped, group_sizes)
+
+    monkeypatch.setattr(type(m.q_experts), "forward", counting)
+    m(x, x, x)
+    load = m.routing.expert_load.long().tolist()
+    assert seen == [(18 * 2, load), (18 * 2, load)]
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="top_k"):
+        MixtureOfAttentionHeads(16, 4, 5, 8)
+    with pytest.raises(ValueError, match="gate_weights"):
+        MixtureOfAttentionHeads(16, 4, 2, 8, gate_weights="softmax")

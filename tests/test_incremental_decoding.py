@@ -1,0 +1,66 @@
+"""Incremental decoding (beam search's path) equals the full causal forward of the decoder."""
+
+import torch
+
+from moa.attention import MixtureOfAttentionHeads
+
+
+def _encode(model, src_tokens):
+    lengths = src_tokens.ne(model.encoder.padding_idx).sum(1)
+    return model.encoder(src_tokens, src_lengths=lengths)
+
+
+def _full_logits(model, encoder_out, prev_tokens):
+    logits, _ = model.decoder(prev_tokens, encoder_out=encoder_out)
+    return logits
+
+
+def test_step_by_step_equals_full_forward(tiny_model):
+    torch.manual_seed(3)
+    src = torch.randint(4, 40, (3, 6))
+    src[1, :2] = tiny_model.encoder.padding_idx  # left padding, as fairseq batches sources
+    prev = torch.randint(4, 40, (3, 7))
+    prev[:, 0] = tiny_model.decoder.dictionary.eos()
+    with torch.no_grad():
+        encoder_out = _encode(tiny_model, src)
+        full = _full_logits(tiny_model, encoder_out, prev)
+        state = {}
+        steps = [tiny_model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
+                 for t in range(prev.size(1))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_cache_holds_one_shared_head(tiny_model):
+    src = torch.randint(4, 40, (2, 5))
+    prev = torch.randint(4, 40, (2, 4))
+    with torch.no_grad():
+        encoder_out = _encode(tiny_model, src)
+        state = {}
+        for t in range(4):
+            tiny_model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+    modules = [m for m in tiny_model.decoder.modules() if isinstance(m, MixtureOfAttentionHeads)]
+    assert len(modules) == 4  # 2 layers x (self, cross)
+    for m in modules:
+        buffer = m._get_input_buffer(state)
+        expected_len = 5 if m.encoder_decoder_attention else 4
+        assert buffer["prev_key"].shape == (2, expected_len, m.head_dim)
+        assert buffer["prev_value"].shape == (2, expected_len, m.head_dim)
+
+
+def test_beam_reorder_equals_full_forward_on_reordered_prefixes(tiny_model):
+    torch.manual_seed(4)
+    src = torch.randint(4, 40, (4, 6))
+    prev = torch.randint(4, 40, (4, 6))
+    new_order = torch.tensor([2, 2, 0, 3])  # beam search duplicates and drops hypotheses
+    with torch.no_grad():
+        encoder_out = _encode(tiny_model, src)
+        state = {}
+        for t in range(3):
+            tiny_model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+        tiny_model.decoder.reorder_incremental_state_scripting(state, new_order)
+        encoder_out = tiny_model.encoder.reorder_encoder_out(encoder_out, new_order)
+        reordered = prev[new_order]
+        steps = [tiny_model.decoder(reordered[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
+                 for t in range(3, 6)]
+        full = _full_logits(tiny_model, encoder_out, reordered)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 3:], rtol=1e-4, atol=1e-5)
