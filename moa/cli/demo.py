@@ -71,7 +71,7 @@ def score(hypotheses: dict, reference_file: str):
                            f"missing ids start {missing[:5]}")
     hyps = [hypotheses[i] for i in range(len(refs))]
     bleu = sacrebleu.metrics.BLEU()
-    return bleu.corpus_score(hyps, [refs]), bleu.get_signature(), hyps, refs
+    return bleu.corpus_score(hyps, [refs]), str(bleu.get_signature()), hyps, refs
 
 
 def main(argv=None):
@@ -81,7 +81,7 @@ def main(argv=None):
     parser.add_argument("--arch", default="moa_small")
     parser.add_argument("--train-size", type=int, default=40000)
     parser.add_argument("--test-size", type=int, default=500)
-    parser.add_argument("--max-update", type=int, default=1600)
+    parser.add_argument("--max-update", type=int, default=400)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--fresh", action="store_true", help="delete --workdir first")
@@ -129,7 +129,6 @@ def main(argv=None):
     for hyp, ref in list(zip(hyps, refs))[:3]:
         print(f"  REF {ref}\n  HYP {hyp}")
     print(f"BLEU = {result.score:.2f}  ({signature})")
-    return result.score
 
 
 if __name__ == "__main__":

@@ -1,0 +1,123 @@
+"""The real fairseq CLIs in subprocesses: preprocess -> train -> generate -> score -> resume,
+validation, safe checkpoint loading, and the moa-demo main job on a small budget."""
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moa.checkpoint_safety import fairseq_checkpoint_globals
+from moa.cli.demo import USER_DIR, cli, read_hypotheses, score, write_corpus
+
+TEST_SENTENCES = 37  # not a multiple of 8: fairseq would drop a tail batch without --required-batch-size-multiple 1
+TRAIN = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
+         "--encoder-ffn-embed-dim", "128", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16",
+         "--share-all-embeddings", "--criterion", "moa_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+         "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "2048", "--cpu", "--num-workers", "0",
+         "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--seed", "3"]
+
+
+def run_cli(*args, check=True):
+    proc = subprocess.run([cli(args[0]), *args[1:]], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e")
+    raw, data_bin, ckpt = (str(work / d) for d in ("raw", "data-bin", "checkpoints"))
+    write_corpus(raw, {"train": 2000, "valid": 40, "test": TEST_SENTENCES}, seed=7)
+    run_cli("fairseq-preprocess", "--source-lang", "en", "--target-lang", "de", "--trainpref", f"{raw}/train",
+            "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test", "--destdir", data_bin,
+            "--joined-dictionary", "--workers", "1")
+    train = run_cli("fairseq-train", data_bin, "--user-dir", USER_DIR, *TRAIN, "--save-dir", ckpt, "--max-update", "20")
+    return {"work": work, "raw": raw, "data_bin": data_bin, "ckpt": ckpt, "train_log": train.stdout + train.stderr}
+
+
+def test_training_logs_moa_figures(trained):
+    log = trained["train_log"]
+    assert "MoATransformerModel" in log and "MixtureOfAttentionHeads" in log
+    last = [line for line in log.splitlines() if "| train |" in line][-1]
+    figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
+    assert int(figures["num_updates"]) == 20
+    assert float(figures["moa_la"]) >= 1.0 - 1e-3  # L_a >= 1, with equality only when balanced
+    assert float(figures["moa_lz"]) > 0 and float(figures["moa_load_cv"]) >= 0
+
+
+def test_generate_translates_every_test_sentence_and_scores(trained):
+    proc = run_cli("fairseq-generate", trained["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset", "test",
+                   "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--beam", "4", "--lenpen", "0.6",
+                   "--batch-size", "8", "--required-batch-size-multiple", "1", "--post-process", "subword_nmt")
+    log = os.path.join(trained["work"], "generate.log")
+    with open(log, "w", encoding="utf-8") as f:
+        f.write(proc.stdout)
+    assert f"Translated {TEST_SENTENCES} sentences" in proc.stdout + proc.stderr
+    hyps = read_hypotheses(log)
+    assert sorted(hyps) == list(range(TEST_SENTENCES))
+    assert not any("@@" in h for h in hyps.values())
+    result, signature, _, refs = score(hyps, os.path.join(trained["raw"], "test.ref.de"))
+    assert len(refs) == TEST_SENTENCES and 0.0 <= result.score <= 100.0 and "tok:13a" in signature
+    with pytest.raises(RuntimeError, match="translated 36 of 37"):
+        score({i: h for i, h in hyps.items() if i != 5}, os.path.join(trained["raw"], "test.ref.de"))
+
+
+def test_validate_reports_loss(trained):
+    proc = run_cli("fairseq-validate", trained["data_bin"], "--user-dir", USER_DIR, "--cpu", "--task", "translation",
+                   "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--valid-subset", "valid",
+                   "--required-batch-size-multiple", "1", "--max-tokens", "2048")
+    match = re.search(r"valid on 'valid' subset \| loss ([\d.]+) \| nll_loss ([\d.]+)", proc.stdout + proc.stderr)
+    assert match, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert float(match.group(2)) < 12  # below the uniform guess, log2(|dict|) > 7, and finite
+
+
+def test_checkpoint_needs_only_the_allow_list(trained):
+    path = os.path.join(trained["ckpt"], "checkpoint_last.pt")
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in fairseq_checkpoint_globals()}
+    unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    assert unsafe <= allowed, unsafe - allowed
+    state = torch.load(path, map_location="cpu")  # the safe loader with the plugin's allow-list
+    assert state["optimizer_history"][-1]["num_updates"] == 20
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_generate_refuses_a_checkpoint_that_would_run_code(trained, tmp_path):
+    marker = tmp_path / "payload-ran"
+    evil = _RunsCode()
+    evil.marker = marker
+    path = tmp_path / "evil.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"args": None, "model": {}, "payload": evil}, f, protocol=2)
+    proc = run_cli("fairseq-generate", trained["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset", "test",
+                   "--path", str(path), "--beam", "2", check=False)
+    assert proc.returncode != 0
+    assert "Weights only load failed" in proc.stderr and "system" in proc.stderr
+    assert not marker.exists()
+
+
+def test_resume_continues_from_the_checkpoint(trained):
+    proc = run_cli("fairseq-train", trained["data_bin"], "--user-dir", USER_DIR, *TRAIN,
+                   "--save-dir", trained["ckpt"], "--max-update", "30")
+    log = proc.stdout + proc.stderr
+    assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt .*\(epoch \d+ @ 20 updates\)", log), log[-3000:]
+    state = torch.load(os.path.join(trained["ckpt"], "checkpoint_last.pt"), map_location="cpu")
+    assert state["optimizer_history"][-1]["num_updates"] == 30
+
+
+def test_moa_demo_runs_end_to_end(tmp_path):
+    demo = os.path.join(os.path.dirname(sys.executable), "moa-demo")
+    proc = subprocess.run([demo, "--workdir", str(tmp_path / "demo"), "--train-size", "300", "--test-size", "21",
+                           "--max-update", "3", "--train-args", "--encoder-layers 1 --decoder-layers 1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "sacreBLEU on 21 test sentences" in proc.stdout
+    assert re.search(r"^BLEU = \d+\.\d\d  \(nrefs:1\|", proc.stdout, re.M)

@@ -1,0 +1,109 @@
+"""Parameter counts of the archs, fairseq's layer wrappers, and the criterion's loss scaling."""
+
+import pytest
+import torch
+from fairseq.criterions import CRITERION_REGISTRY
+from fairseq.modules.multihead_attention import MultiheadAttention
+
+from conftest import TINY, build_model
+from moa.attention import MixtureOfAttentionHeads
+from moa.criterions.aux_loss import pop_routings
+
+
+def _count(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch, expected", [
+    ("transformer_wmt_en_de", 60_915_712),
+    ("moa_base", 63_311_872),
+    ("moa_big", 198_012_928),
+])
+def test_parameter_counts_with_a_32768_joined_dictionary(arch, expected):
+    assert _count(build_model(arch, 32768)) == expected
+
+
+def test_moa_base_module_shapes():
+    model = build_model("moa_base", 100)
+    modules = [m for m in model.modules() if isinstance(m, MixtureOfAttentionHeads)]
+    assert len(modules) == 18  # encoder self x6, decoder self x6, decoder cross x6
+    m = modules[0]
+    assert (m.num_experts, m.top_k, m.head_dim) == (8, 8, 128)
+    assert _count(m) == 1_183_744
+    assert model.encoder.layers[0].dropout_module.p == 0.2
+    assert m.dropout_module.p == 0.2
+
+
+def test_attention_types_flag_keeps_fairseq_attention_elsewhere():
+    model = build_model("moa_small", 40, TINY + ["--moa-attention-types", "decoder-cross"])
+    layer = model.decoder.layers[0]
+    assert isinstance(layer.encoder_attn, MixtureOfAttentionHeads)
+    assert isinstance(layer.self_attn, MultiheadAttention)
+    assert isinstance(model.encoder.layers[0].self_attn, MultiheadAttention)
+    with pytest.raises(ValueError, match="decoder-kross"):
+        build_model("moa_small", 40, TINY + ["--moa-attention-types", "decoder-kross"])
+
+
+def test_activation_checkpointing_keeps_moa_layers():
+    model = build_model("moa_small", 40, TINY + ["--checkpoint-activations"])
+    layer = model.encoder.layers[0]
+    assert hasattr(layer, "precheckpoint_forward") or hasattr(layer, "_checkpoint_wrap_original_forward")
+    assert isinstance(layer.self_attn, MixtureOfAttentionHeads)
+
+
+def _sample(pad, batch=3, src_len=6, tgt_len=5):
+    torch.manual_seed(5)
+    src = torch.randint(4, 40, (batch, src_len))
+    target = torch.randint(4, 40, (batch, tgt_len))
+    target[0, -2:] = pad
+    prev = torch.roll(target, 1, dims=1)
+    prev[:, 0] = 2
+    return {
+        "net_input": {"src_tokens": src, "src_lengths": torch.full((batch,), src_len), "prev_output_tokens": prev},
+        "target": target,
+        "ntokens": int(target.ne(pad).sum()),
+        "nsentences": batch,
+    }
+
+
+def _criterion(model, alpha, beta):
+    task = type("Task", (), {"target_dictionary": model.decoder.dictionary})()
+    return CRITERION_REGISTRY["moa_label_smoothed_cross_entropy"](
+        task, sentence_avg=False, label_smoothing=0.1, moa_alpha=alpha, moa_beta=beta)
+
+
+def test_criterion_adds_aux_losses_with_exact_per_token_weights():
+    torch.manual_seed(0)
+    model = build_model("moa_small", 40, TINY)
+    sample = _sample(model.decoder.padding_idx)
+    model(**sample["net_input"])  # dropout is 0: the criterion's forwards route identically
+    routings = pop_routings(model)
+    base_loss, sample_size, _ = _criterion(model, 0.0, 0.0)(model, sample)
+    assert len(routings) == 6  # 2 encoder self + 2 decoder self + 2 cross
+    loss, sample_size2, log = _criterion(model, 0.01, 0.001)(model, sample)
+    assert sample_size == sample_size2 == sample["ntokens"]
+    l_a = sum(r.load_balancing_loss for r in routings)
+    l_z = sum(r.router_z_loss for r in routings)
+    # fairseq divides by sample_size: the per-token objective is CE + 0.01 L_a + 0.001 L_z exactly.
+    torch.testing.assert_close(loss / sample_size, base_loss / sample_size + 0.01 * l_a + 0.001 * l_z)
+    torch.testing.assert_close(log["moa_la"] / sample_size, l_a / 6)
+
+
+def test_cross_attention_routing_ignores_target_padding():
+    torch.manual_seed(0)
+    model = build_model("moa_small", 40, TINY)
+    pad = model.decoder.padding_idx
+    sample = _sample(pad)
+    model(**sample["net_input"])
+    cross = [m for m in model.modules() if isinstance(m, MixtureOfAttentionHeads) and m.encoder_decoder_attention]
+    real_tokens = int(sample["net_input"]["prev_output_tokens"].ne(pad).sum())
+    for m in cross:
+        assert m.routing.expert_load.sum().item() == real_tokens * m.top_k
+        assert m.query_padding_mask is None  # the decoder clears what it set
+
+
+def test_checkpointed_training_refuses_silently_dropped_aux_gradients():
+    model = build_model("moa_small", 40, TINY + ["--checkpoint-activations"]).train()
+    sample = _sample(model.decoder.padding_idx)
+    with pytest.raises(RuntimeError, match="checkpoint-activations"):
+        _criterion(model, 0.01, 0.001)(model, sample)
