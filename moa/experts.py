@@ -63,12 +63,13 @@ class ExpertLinear(nn.Module):
 
     def forward(self, grouped: Tensor, group_sizes: List[int]) -> Tensor:
         """grouped: (M, in_dim) rows sorted by expert with ``group_sizes`` rows each -> (M, out_dim)."""
+        # unbind once: indexing weight[e] per expert would make autograd build a full-size
+        # zero gradient for every expert (E times the weight's memory traffic).
+        weights = self.weight.unbind(0)
+        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
         outputs = []
-        for e, rows in enumerate(grouped.split(group_sizes)):
-            out = rows @ self.weight[e]
-            if self.bias is not None:
-                out = out + self.bias[e]
-            outputs.append(out)
+        for rows, weight, bias in zip(grouped.split(group_sizes), weights, biases):
+            outputs.append(rows @ weight if bias is None else torch.addmm(bias, rows, weight))
         return torch.cat(outputs) if outputs else grouped.new_zeros(0, self.out_dim)
 
     def extra_repr(self) -> str:
