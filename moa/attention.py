@@ -20,6 +20,7 @@ that fairseq's Transformer layers use it unchanged.
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from fairseq import utils
 from fairseq.incremental_decoding_utils import with_incremental_state
 from fairseq.modules.fairseq_dropout import FairseqDropout
@@ -121,33 +122,55 @@ class MixtureOfAttentionHeads(nn.Module):
         x = query.reshape(tgt_len * bsz, embed_dim)
         routing = self.router(x, self._flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
         self.routing = routing
-        dispatch = ExpertDispatch(routing.experts, self.num_experts)
+        bias_args = (attn_mask, key_padding_mask)
+        if self.top_k == self.num_experts:
+            return self._forward_all_experts(x, routing, keys, values, bias_args, tgt_len, bsz, need_weights,
+                                             need_head_weights)
+        plan = ExpertDispatch(routing.experts, self.num_experts, tgt_len, bsz)
+        # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
+        q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows)
+        q = q.view(bsz, self.top_k, tgt_len, self.head_dim)
+        o, weights = self._attend(q, keys, values, _attention_bias(*bias_args, q.dtype), need_weights,
+                                  need_head_weights)
+        gates = routing.weights.view(tgt_len, bsz, self.top_k).permute(1, 2, 0).unsqueeze(-1)  # (B, k, T, 1)
+        o = (o * gates).reshape(plan.num_slot_rows, self.head_dim)
+        y = self.o_experts(o, plan.slot_row, plan.token, plan.group_sizes, plan.num_tokens, add_bias=False)
+        if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
+            y = y + (routing.weights.unsqueeze(-1) * self.o_experts.bias[routing.experts]).sum(dim=1)
+        return y.view(tgt_len, bsz, self.embed_dim), weights
 
-        q = dispatch.unsort(self.q_experts(dispatch.gather_tokens(x), dispatch.group_sizes))  # (N, k, D)
-        q = q.view(tgt_len, bsz, self.top_k, self.head_dim).transpose(0, 1)
-        q = q.reshape(bsz, tgt_len * self.top_k, self.head_dim) * self.scaling
+    def _forward_all_experts(self, x, routing, keys, values, bias_args, tgt_len, bsz, need_weights,
+                             need_head_weights):
+        """top_k == E: every expert is selected for every token, so slot order is irrelevant; the
+        projections run as two dense matmuls (the same FLOPs as the routed path, no gathers)."""
+        gates = torch.zeros_like(routing.weights).scatter(1, routing.experts, routing.weights)  # (N, E)
+        q = self.q_experts.fan_out(x).view(tgt_len, bsz, self.num_experts, self.head_dim).permute(1, 2, 0, 3)
+        o, weights = self._attend(q, keys, values, _attention_bias(*bias_args, q.dtype), need_weights,
+                                  need_head_weights)
+        o = o * gates.view(tgt_len, bsz, self.num_experts).permute(1, 2, 0).unsqueeze(-1)
+        y = self.o_experts.fan_in(o.permute(2, 0, 1, 3).reshape(tgt_len * bsz, self.num_experts, self.head_dim))
+        if self.o_experts.bias is not None:
+            y = y + gates @ self.o_experts.bias
+        return y.view(tgt_len, bsz, self.embed_dim), weights
 
-        src_len = keys.size(1)
-        scores = torch.bmm(q, keys.transpose(1, 2)).view(bsz, tgt_len, self.top_k, src_len)
-        if attn_mask is not None:
-            if attn_mask.dtype == torch.bool:
-                scores = scores.masked_fill(attn_mask[None, :, None, :], float("-inf"))
-            else:
-                scores = scores + attn_mask.to(scores.dtype)[None, :, None, :]
-        if key_padding_mask is not None:
-            scores = scores.masked_fill(key_padding_mask.bool()[:, None, None, :], float("-inf"))
-        probs = utils.softmax(scores, dim=-1).type_as(scores)  # (B, T, k, S)
+    def _attend(self, q, keys, values, bias, need_weights: bool, need_head_weights: bool):
+        """Multi-query attention of k query heads over the one shared K/V head.
 
-        o = torch.bmm(self.dropout_module(probs).view(bsz, tgt_len * self.top_k, src_len), values)
-        o = o.view(bsz, tgt_len, self.top_k, self.head_dim).transpose(0, 1)
-        o = o.reshape(tgt_len * bsz, self.top_k, self.head_dim) * routing.weights.unsqueeze(-1)
-        y = dispatch.unsort(self.o_experts(dispatch.sort(o), dispatch.group_sizes)).sum(dim=1)
-        y = y.view(tgt_len, bsz, self.embed_dim)
-
-        weights: Optional[Tensor] = None
-        if need_weights:
-            weights = probs.permute(2, 0, 1, 3) if need_head_weights else probs.mean(dim=2)
-        return y, weights
+        q: (B, k, T, D); keys, values: (B, S, D); bias: additive, broadcastable to
+        (B, k, T, S), or None. Returns o (B, k, T, D) and the weights asked for.
+        """
+        keys, values = keys.unsqueeze(1), values.unsqueeze(1)
+        if not need_weights:
+            dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
+                                               scale=self.scaling, enable_gqa=True)
+            return o, None
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling
+        if bias is not None:
+            scores = scores + bias
+        probs = utils.softmax(scores, dim=-1).type_as(scores)  # (B, k, T, S)
+        o = torch.matmul(self.dropout_module(probs), values)
+        return o, probs.transpose(0, 1) if need_head_weights else probs.mean(dim=1)
 
     def _shared_key_value(self, key, value, key_padding_mask, incremental_state, static_kv):
         """Project the shared K/V head, (batch, src_len, D), through the incremental cache."""
@@ -214,3 +237,22 @@ def _cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_l
     if new is None:
         new = torch.zeros(bsz, new_len, dtype=torch.bool, device=device)
     return torch.cat([prev.bool(), new.bool()], dim=1)
+
+
+def _attention_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]:
+    """fairseq's masks as one additive bias: attn_mask (T, S) float (-inf blocks) or bool
+    (True blocks), key_padding_mask (B, S) (True/1 at padding) -> (1 or B, 1, T or 1, S)."""
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
+                attn_mask, float("-inf"))
+        else:
+            bias = attn_mask.to(dtype)
+        bias = bias[None, None]
+    if key_padding_mask is not None:
+        padding = key_padding_mask.bool()[:, None, None, :]
+        if bias is None:
+            bias = torch.zeros(padding.shape, dtype=dtype, device=padding.device)
+        bias = bias.masked_fill(padding, float("-inf"))
+    return bias

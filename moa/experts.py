@@ -1,11 +1,16 @@
-"""Expert projections that only see the tokens routed to them.
+"""Expert projections that only see the rows routed to them.
 
 MoA gives every expert i its own query projection W_q^i (d_model -> D) and
 output projection W_o^i (D -> d_model). With N tokens each routed to k experts
-there are N*k (token, slot) assignments; :class:`ExpertDispatch` sorts them by
-expert once per forward, and :class:`ExpertLinear` multiplies each expert's
-contiguous block of rows by that expert's weight, so the work is N*k rows in
-all, never N*E.
+there are N*k (token, slot) assignments. :class:`ExpertDispatch` sorts them by
+expert once per module; :func:`expert_linear` then multiplies each expert's
+block of rows by that expert's weight only: N*k rows of work in all, never N*E.
+
+:func:`expert_linear` gathers its input rows, multiplies and scatter-adds the
+results in one autograd node (in the manner of ScatterMoE), so the gathered
+(N*k, in_dim) copy of the input is never kept for the backward pass; the
+backward gathers again, block by block. No host synchronisation happens
+inside it: the block sizes are Python ints computed once per module.
 """
 
 import math
@@ -16,34 +21,75 @@ from torch import Tensor, nn
 
 
 class ExpertDispatch:
-    """Groups the (token, slot) assignments of a routing decision by expert.
+    """Where each (token, slot) assignment of a routing decision goes.
 
-    experts: (N, k) selected expert of each slot. Assignment a = t*k + j is
-    token t's j-th slot. After sorting, the rows of expert 0 come first, then
-    expert 1, and so on; ``group_sizes`` holds the E block lengths (one host
-    synchronisation for the whole layer, not one per expert).
+    experts: (N, k) selected expert of each slot, tokens flattened time-first
+    (n = t * batch + b). Sorted by expert, assignment p of the sorted order is
+    token ``token[p]``, and row ``slot_row[p]`` of the attention layout
+    (batch, k, tgt_len) flattened, i.e. ``(b * k + j) * tgt_len + t``.
+    ``group_sizes`` holds the E block lengths (one host sync per module).
     """
 
-    def __init__(self, experts: Tensor, num_experts: int):
-        self.num_tokens, self.top_k = experts.shape
-        flat = experts.reshape(-1)
-        self.order = flat.argsort(stable=True)  # sorted position -> assignment index
-        self.inverse = torch.empty_like(self.order)
-        self.inverse[self.order] = torch.arange(self.order.numel(), device=flat.device)
-        self.token_index = self.order // self.top_k  # sorted position -> token
-        self.group_sizes: List[int] = torch.bincount(flat, minlength=num_experts).tolist()
+    def __init__(self, experts: Tensor, num_experts: int, tgt_len: int, bsz: int):
+        num_tokens, top_k = experts.shape
+        order = experts.reshape(-1).argsort(stable=True)
+        self.token = order // top_k
+        slot = order % top_k
+        t, b = self.token // bsz, self.token % bsz
+        self.slot_row = (b * top_k + slot) * tgt_len + t
+        self.group_sizes: List[int] = torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
+        self.num_tokens = num_tokens
+        self.num_slot_rows = num_tokens * top_k
 
-    def gather_tokens(self, x: Tensor) -> Tensor:
-        """(N, C) tokens -> (N*k, C) one row per assignment, grouped by expert."""
-        return x.index_select(0, self.token_index)
 
-    def sort(self, slots: Tensor) -> Tensor:
-        """(N, k, C) per-slot rows -> (N*k, C) grouped by expert."""
-        return slots.reshape(-1, slots.size(-1)).index_select(0, self.order)
+class _ExpertLinear(torch.autograd.Function):
+    """out[dst[p]] += x[src[p]] @ W[e] (+ b[e]) for each expert e's block of assignments p."""
 
-    def unsort(self, grouped: Tensor) -> Tensor:
-        """(N*k, C) rows grouped by expert -> (N, k, C) in token/slot order."""
-        return grouped.index_select(0, self.inverse).view(self.num_tokens, self.top_k, -1)
+    @staticmethod
+    def forward(ctx, x, weight, bias, src, dst, group_sizes, out_rows):
+        out = x.new_zeros(out_rows, weight.size(-1))
+        for e, (s, d) in enumerate(zip(src.split(group_sizes), dst.split(group_sizes))):
+            if s.numel():
+                y = x.index_select(0, s) @ weight[e]
+                if bias is not None:
+                    y += bias[e]
+                out.index_add_(0, d, y)
+        ctx.save_for_backward(x, weight, src, dst)
+        ctx.group_sizes = group_sizes
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, src, dst = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = torch.zeros_like(x) if need_x else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = weight.new_zeros(weight.size(0), weight.size(-1)) if need_b and ctx.has_bias else None
+        for e, (s, d) in enumerate(zip(src.split(ctx.group_sizes), dst.split(ctx.group_sizes))):
+            if not s.numel():
+                continue
+            g = grad_out.index_select(0, d)
+            if grad_x is not None:
+                grad_x.index_add_(0, s, g @ weight[e].t())
+            if grad_w is not None:
+                torch.mm(x.index_select(0, s).t(), g, out=grad_w[e])
+            if grad_b is not None:
+                grad_b[e] = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor, dst: Tensor,
+                  group_sizes: List[int], out_rows: int) -> Tensor:
+    """Grouped expert projection with gather and scatter-add built in.
+
+    x: (rows_in, in_dim); weight: (E, in_dim, out_dim); bias: (E, out_dim) or None;
+    src, dst: (M,) row indices, sorted by expert in blocks of ``group_sizes``.
+    Returns (out_rows, out_dim) with ``out[dst[p]] = sum of x[src[p]] @ weight[e(p)] (+ bias)``.
+    Rows of dst that no assignment names stay zero; repeated dst rows are summed
+    (on CUDA in a nondeterministic order, as index_add_ is there).
+    """
+    return _ExpertLinear.apply(x, weight, bias, src, dst, group_sizes, out_rows)
 
 
 class ExpertLinear(nn.Module):
@@ -61,16 +107,21 @@ class ExpertLinear(nn.Module):
         bound = math.sqrt(6.0 / (in_dim + out_dim))
         nn.init.uniform_(self.weight, -bound, bound)
 
-    def forward(self, grouped: Tensor, group_sizes: List[int]) -> Tensor:
-        """grouped: (M, in_dim) rows sorted by expert with ``group_sizes`` rows each -> (M, out_dim)."""
-        # unbind once: indexing weight[e] per expert would make autograd build a full-size
-        # zero gradient for every expert (E times the weight's memory traffic).
-        weights = self.weight.unbind(0)
-        biases = self.bias.unbind(0) if self.bias is not None else [None] * self.num_experts
-        outputs = []
-        for rows, weight, bias in zip(grouped.split(group_sizes), weights, biases):
-            outputs.append(rows @ weight if bias is None else torch.addmm(bias, rows, weight))
-        return torch.cat(outputs) if outputs else grouped.new_zeros(0, self.out_dim)
+    def forward(self, x: Tensor, src: Tensor, dst: Tensor, group_sizes: List[int], out_rows: int,
+                add_bias: bool = True) -> Tensor:
+        """Routed rows only; see :func:`expert_linear`. ``add_bias=False`` leaves the bias to the caller."""
+        return expert_linear(x, self.weight, self.bias if add_bias else None, src, dst, group_sizes, out_rows)
+
+    def fan_out(self, x: Tensor) -> Tensor:
+        """Every row through every expert, for top_k == E: (N, in_dim) -> (N, E, out_dim), one matmul."""
+        flat = self.weight.permute(1, 0, 2).reshape(self.in_dim, -1)
+        y = x @ flat if self.bias is None else torch.addmm(self.bias.reshape(-1), x, flat)
+        return y.view(x.size(0), self.num_experts, self.out_dim)
+
+    def fan_in(self, h: Tensor) -> Tensor:
+        """Sum of every expert's projection, for top_k == E: (N, E, in_dim) -> (N, out_dim), one
+        matmul; the bias is the caller's (it is gated)."""
+        return h.reshape(h.size(0), -1) @ self.weight.reshape(-1, self.out_dim)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, in_dim={self.in_dim}, out_dim={self.out_dim}, bias={self.bias is not None}"

@@ -40,7 +40,8 @@ TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim",
         "--decoder-attention-heads", "2"]
 
 
-@pytest.fixture
-def tiny_model():
+@pytest.fixture(params=[2, 4], ids=["routed-2of4", "dense-4of4"])
+def tiny_model(request):
+    """A 2+2-layer MoA translation model, with k < E (routed path) and k == E (dense path)."""
     torch.manual_seed(0)
-    return build_model("moa_small", 40, TINY).eval()
+    return build_model("moa_small", 40, TINY + ["--moa-top-k", str(request.param)]).eval()

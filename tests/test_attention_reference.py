@@ -13,9 +13,13 @@ def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mas
     src_len = key.shape[0]
     out = torch.zeros_like(query)
     w_k, w_v = m.k_proj.weight, m.v_proj.weight
+
+    def bias(b, index=None):
+        return 0 if b is None else (b if index is None else b[index])
+
     for b in range(bsz):
-        keys = key[:, b] @ w_k.T  # (S, D)
-        values = value[:, b] @ w_v.T
+        keys = key[:, b] @ w_k.T + bias(m.k_proj.bias)  # (S, D)
+        values = value[:, b] @ w_v.T + bias(m.v_proj.bias)
         for t in range(tgt_len):
             x = query[t, b]
             probs = torch.softmax(m.router.weight.float() @ x.float(), dim=-1)
@@ -26,7 +30,7 @@ def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mas
                 gates = top_p
             y = torch.zeros_like(x)
             for gate, e in zip(gates, top_e.tolist()):
-                q = x @ m.q_experts.weight[e]
+                q = x @ m.q_experts.weight[e] + bias(m.q_experts.bias, e)
                 scores = []
                 for s in range(src_len):
                     blocked = key_padding_mask is not None and bool(key_padding_mask[b, s])
@@ -37,7 +41,7 @@ def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mas
                     scores.append(torch.full_like(score, float("-inf")) if blocked else score)
                 attn = torch.softmax(torch.stack(scores), dim=0)
                 o = attn @ values
-                y = y + gate.to(x.dtype) * (o @ m.o_experts.weight[e])
+                y = y + gate.to(x.dtype) * (o @ m.o_experts.weight[e] + bias(m.o_experts.bias, e))
             out[t, b] = y
     return out
 
@@ -93,10 +97,24 @@ def test_encoder_decoder_attention_matches_reference():
     _check_outputs_and_grads(m, query, memory, memory, key_padding_mask=padding)
 
 
+@pytest.mark.parametrize("top_k", [4, 2])  # k == E takes the dense path, k < E the routed one
+def test_biases_match_reference(top_k):
+    m = _module(4, top_k, self_attention=True, bias=True)
+    with torch.no_grad():
+        for p in (m.q_experts.bias, m.o_experts.bias, m.k_proj.bias, m.v_proj.bias):
+            p.normal_()
+    x = torch.randn(5, 2, 16, dtype=torch.double)
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    _check_outputs_and_grads(m, x, x, x, key_padding_mask=padding)
+
+
 def test_all_experts_selected_matches_reference():
     m = _module(4, 4, self_attention=True)
     x = torch.randn(5, 2, 16, dtype=torch.double)
     _check_outputs_and_grads(m, x, x, x)
+    future = torch.triu(torch.full((5, 5), float("-inf"), dtype=torch.double), 1)
+    _check_outputs_and_grads(m, x, x, x, attn_mask=future)
 
 
 def test_attention_weights_are_averaged_over_selected_experts():
@@ -116,14 +134,33 @@ def test_projections_run_only_on_routed_rows(monkeypatch):
     seen = []
     original = type(m.q_experts).forward
 
-    def counting(self, grouped, group_sizes):
-        seen.append((grouped.shape[0], list(group_sizes)))
-        return original(self, grouped, group_sizes)
+    def counting(self, rows, src, dst, group_sizes, out_rows, **kwargs):
+        seen.append((src.numel(), list(group_sizes)))
+        return original(self, rows, src, dst, group_sizes, out_rows, **kwargs)
 
     monkeypatch.setattr(type(m.q_experts), "forward", counting)
     m(x, x, x)
     load = m.routing.expert_load.long().tolist()
     assert seen == [(18 * 2, load), (18 * 2, load)]
+
+
+@pytest.mark.parametrize("num_experts", [4, 16])
+def test_forward_flops_do_not_grow_with_the_number_of_experts(num_experts):
+    """Counted FLOPs equal the analytic count of the selected experts' work."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    d, k, head, T, B = 32, 2, 8, 5, 3
+    m = MixtureOfAttentionHeads(d, num_experts, k, head, self_attention=True)
+    x = torch.randn(T, B, d)
+    with FlopCounterMode(display=False) as counter:  # the weights path: attention as plain matmuls
+        m(x, x, x, need_weights=True)
+    n = T * B
+    expected = (2 * n * d * num_experts          # router
+                + 2 * n * k * d * head * 2        # selected experts' W_q and W_o
+                + 2 * n * d * head * 2            # shared W_k, W_v
+                + 2 * B * k * T * T * head * 2)   # q K^T and attention @ V
+    assert counter.get_total_flops() == expected
 
 
 def test_bad_configuration_is_refused():
