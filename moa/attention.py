@@ -128,13 +128,15 @@ class MixtureOfAttentionHeads(nn.Module):
                                              need_head_weights)
         plan = ExpertDispatch(routing.experts, self.num_experts, tgt_len, bsz)
         # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
-        q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows)
+        q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows,
+                           dst_is_permutation=True)
         q = q.view(bsz, self.top_k, tgt_len, self.head_dim)
         o, weights = self._attend(q, keys, values, _attention_bias(*bias_args, q.dtype), need_weights,
                                   need_head_weights)
-        gates = routing.weights.view(tgt_len, bsz, self.top_k).permute(1, 2, 0).unsqueeze(-1)  # (B, k, T, 1)
-        o = (o * gates).reshape(plan.num_slot_rows, self.head_dim)
-        y = self.o_experts(o, plan.slot_row, plan.token, plan.group_sizes, plan.num_tokens, add_bias=False)
+        # y_t = sum_j w_j o_j W_o^{e_j}: the gate scales each gathered row inside the projection.
+        gates = routing.weights.reshape(-1)[plan.order]
+        y = self.o_experts(o.reshape(plan.num_slot_rows, self.head_dim), plan.slot_row, plan.token,
+                           plan.group_sizes, plan.num_tokens, scale=gates, add_bias=False)
         if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
             y = y + (routing.weights.unsqueeze(-1) * self.o_experts.bias[routing.experts]).sum(dim=1)
         return y.view(tgt_len, bsz, self.embed_dim), weights

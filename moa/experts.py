@@ -26,13 +26,14 @@ class ExpertDispatch:
     experts: (N, k) selected expert of each slot, tokens flattened time-first
     (n = t * batch + b). Sorted by expert, assignment p of the sorted order is
     token ``token[p]``, and row ``slot_row[p]`` of the attention layout
-    (batch, k, tgt_len) flattened, i.e. ``(b * k + j) * tgt_len + t``.
+    (batch, k, tgt_len) flattened, i.e. ``(b * k + j) * tgt_len + t``; ``order[p]``
+    is the assignment index n * k + j itself.
     ``group_sizes`` holds the E block lengths (one host sync per module).
     """
 
     def __init__(self, experts: Tensor, num_experts: int, tgt_len: int, bsz: int):
         num_tokens, top_k = experts.shape
-        order = experts.reshape(-1).argsort(stable=True)
+        self.order = order = experts.reshape(-1).argsort(stable=True)  # sorted position -> assignment
         self.token = order // top_k
         slot = order % top_k
         t, b = self.token // bsz, self.token % bsz
@@ -43,53 +44,77 @@ class ExpertDispatch:
 
 
 class _ExpertLinear(torch.autograd.Function):
-    """out[dst[p]] += x[src[p]] @ W[e] (+ b[e]) for each expert e's block of assignments p."""
+    """out[dst[p]] += scale[p] * x[src[p]] @ W[e] (+ b[e]) for each expert e's block of assignments p."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, src, dst, group_sizes, out_rows):
-        out = x.new_zeros(out_rows, weight.size(-1))
-        for e, (s, d) in enumerate(zip(src.split(group_sizes), dst.split(group_sizes))):
+    def forward(ctx, x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation):
+        # Every row written exactly once needs no zero fill: copy instead of accumulating.
+        out = (x.new_empty if dst_is_permutation else x.new_zeros)(out_rows, weight.size(-1))
+        write = out.index_copy_ if dst_is_permutation else out.index_add_
+        scales = scale.split(group_sizes) if scale is not None else [None] * len(group_sizes)
+        for e, (s, d, c) in enumerate(zip(src.split(group_sizes), dst.split(group_sizes), scales)):
             if s.numel():
-                y = x.index_select(0, s) @ weight[e]
+                rows = x.index_select(0, s)
+                if c is not None:
+                    rows *= c.unsqueeze(1)
+                y = rows @ weight[e]
                 if bias is not None:
                     y += bias[e]
-                out.index_add_(0, d, y)
-        ctx.save_for_backward(x, weight, src, dst)
+                write(0, d, y)
+        ctx.save_for_backward(x, weight, scale, src, dst)
         ctx.group_sizes = group_sizes
         ctx.has_bias = bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, src, dst = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x, weight, scale, src, dst = ctx.saved_tensors
+        need_x, need_w, need_b, need_scale = ctx.needs_input_grad[:4]
         grad_x = torch.zeros_like(x) if need_x else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_w = torch.empty_like(weight) if need_w else None
         grad_b = weight.new_zeros(weight.size(0), weight.size(-1)) if need_b and ctx.has_bias else None
+        grad_scale = torch.empty_like(scale) if need_scale else None
+        offset = 0
         for e, (s, d) in enumerate(zip(src.split(ctx.group_sizes), dst.split(ctx.group_sizes))):
-            if not s.numel():
+            n = s.numel()
+            if not n:
+                if grad_w is not None:
+                    grad_w[e].zero_()
                 continue
             g = grad_out.index_select(0, d)
-            if grad_x is not None:
-                grad_x.index_add_(0, s, g @ weight[e].t())
+            c = scale[offset:offset + n].unsqueeze(1) if scale is not None else None
+            if grad_x is not None or grad_scale is not None:
+                g_rows = g @ weight[e].t()  # gradient w.r.t. the (scaled) gathered rows
+                if grad_scale is not None:
+                    grad_scale[offset:offset + n] = (g_rows * x.index_select(0, s)).sum(1)
+                if grad_x is not None:
+                    grad_x.index_add_(0, s, g_rows if c is None else g_rows * c)
             if grad_w is not None:
-                torch.mm(x.index_select(0, s).t(), g, out=grad_w[e])
+                rows = x.index_select(0, s)
+                if c is not None:
+                    rows *= c
+                torch.mm(rows.t(), g, out=grad_w[e])
             if grad_b is not None:
                 grad_b[e] = g.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None
+            offset += n
+        return grad_x, grad_w, grad_b, grad_scale, None, None, None, None, None
 
 
 def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor, dst: Tensor,
-                  group_sizes: List[int], out_rows: int) -> Tensor:
-    """Grouped expert projection with gather and scatter-add built in.
+                  group_sizes: List[int], out_rows: int, scale: Optional[Tensor] = None,
+                  dst_is_permutation: bool = False) -> Tensor:
+    """Grouped expert projection with gather, row scaling and scatter-add built in.
 
     x: (rows_in, in_dim); weight: (E, in_dim, out_dim); bias: (E, out_dim) or None;
-    src, dst: (M,) row indices, sorted by expert in blocks of ``group_sizes``.
-    Returns (out_rows, out_dim) with ``out[dst[p]] = sum of x[src[p]] @ weight[e(p)] (+ bias)``.
-    Rows of dst that no assignment names stay zero; repeated dst rows are summed
-    (on CUDA in a nondeterministic order, as index_add_ is there).
+    src, dst: (M,) row indices, sorted by expert in blocks of ``group_sizes``;
+    scale: (M,) per-assignment factor on the gathered row (MoA's gate weight), or None.
+    Returns (out_rows, out_dim) with
+    ``out[dst[p]] = sum of (scale[p] * x[src[p]]) @ weight[e(p)] (+ bias[e(p)])``.
+    Rows of dst that no assignment names stay zero and repeated dst rows are summed
+    (on CUDA in a nondeterministic order, as index_add_ is there), unless
+    ``dst_is_permutation`` promises that dst names each of the out_rows exactly once.
     """
-    return _ExpertLinear.apply(x, weight, bias, src, dst, group_sizes, out_rows)
+    return _ExpertLinear.apply(x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation)
 
 
 class ExpertLinear(nn.Module):
@@ -108,9 +133,10 @@ class ExpertLinear(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
 
     def forward(self, x: Tensor, src: Tensor, dst: Tensor, group_sizes: List[int], out_rows: int,
-                add_bias: bool = True) -> Tensor:
+                scale: Optional[Tensor] = None, dst_is_permutation: bool = False, add_bias: bool = True) -> Tensor:
         """Routed rows only; see :func:`expert_linear`. ``add_bias=False`` leaves the bias to the caller."""
-        return expert_linear(x, self.weight, self.bias if add_bias else None, src, dst, group_sizes, out_rows)
+        return expert_linear(x, self.weight, self.bias if add_bias else None, src, dst, group_sizes, out_rows,
+                             scale, dst_is_permutation)
 
     def fan_out(self, x: Tensor) -> Tensor:
         """Every row through every expert, for top_k == E: (N, in_dim) -> (N, E, out_dim), one matmul."""

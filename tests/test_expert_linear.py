@@ -5,11 +5,11 @@ import torch
 from moa.experts import ExpertDispatch, expert_linear
 
 
-def _naive(x, weight, bias, src, dst, group_sizes, out_rows):
+def _naive(x, weight, bias, src, dst, group_sizes, out_rows, scale=None):
     out = x.new_zeros(out_rows, weight.size(-1))
     experts = torch.repeat_interleave(torch.arange(weight.size(0)), torch.tensor(group_sizes))
     for p in range(src.numel()):
-        row = x[src[p]] @ weight[experts[p]]
+        row = (x[src[p]] * (1 if scale is None else scale[p])) @ weight[experts[p]]
         out = out.index_add(0, dst[p:p + 1], (row + (bias[experts[p]] if bias is not None else 0))[None])
     return out
 
@@ -19,19 +19,29 @@ def test_matches_naive_loop_with_repeated_rows_and_an_empty_expert():
     x = torch.randn(6, 5, dtype=torch.double, requires_grad=True)
     weight = torch.randn(4, 5, 3, dtype=torch.double, requires_grad=True)
     bias = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
+    scale = torch.rand(9, dtype=torch.double, requires_grad=True)
     group_sizes = [3, 0, 4, 2]  # expert 1 gets nothing
     src = torch.tensor([0, 2, 5, 1, 1, 3, 4, 0, 5])
     dst = torch.tensor([7, 0, 2, 2, 6, 1, 3, 7, 4])  # rows 2 and 7 receive two contributions; row 5 none
-    got = expert_linear(x, weight, bias, src, dst, group_sizes, 8)
-    want = _naive(x, weight, bias, src, dst, group_sizes, 8)
+    got = expert_linear(x, weight, bias, src, dst, group_sizes, 8, scale=scale)
+    want = _naive(x, weight, bias, src, dst, group_sizes, 8, scale=scale)
     torch.testing.assert_close(got, want)
     assert got[5].abs().sum() == 0
     probe = torch.randn_like(got)
-    grads = torch.autograd.grad((got * probe).sum(), (x, weight, bias))
-    want_grads = torch.autograd.grad((want * probe).sum(), (x, weight, bias))
+    grads = torch.autograd.grad((got * probe).sum(), (x, weight, bias, scale))
+    want_grads = torch.autograd.grad((want * probe).sum(), (x, weight, bias, scale))
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w)
     assert grads[1][1].abs().sum() == 0 and grads[2][1].abs().sum() == 0
+
+
+def test_permutation_destination_is_copied_not_accumulated():
+    torch.manual_seed(2)
+    x = torch.randn(3, 4, dtype=torch.double)
+    weight = torch.randn(2, 4, 5, dtype=torch.double)
+    src, dst = torch.tensor([0, 2, 1, 0]), torch.tensor([3, 0, 2, 1])  # each of 4 rows written once
+    got = expert_linear(x, weight, None, src, dst, [2, 2], 4, dst_is_permutation=True)
+    torch.testing.assert_close(got, _naive(x, weight, None, src, dst, [2, 2], 4))
 
 
 def test_gradcheck():
@@ -40,7 +50,9 @@ def test_gradcheck():
     weight = torch.randn(3, 3, 2, dtype=torch.double, requires_grad=True)
     src = torch.tensor([1, 3, 0, 2, 1])
     dst = torch.tensor([0, 1, 1, 2, 3])
-    assert torch.autograd.gradcheck(lambda a, w: expert_linear(a, w, None, src, dst, [2, 1, 2], 4), (x, weight))
+    scale = torch.rand(5, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, w, c: expert_linear(a, w, None, src, dst, [2, 1, 2], 4, scale=c), (x, weight, scale))
 
 
 def test_dispatch_groups_by_expert_and_maps_to_the_attention_layout():

@@ -1,0 +1,303 @@
+"""MoA speed and memory, side by side with fairseq's multi-head attention, in one run.
+
+    .venv/bin/python benchmarks/moa_speed.py                # full run (about 10 minutes on 2 CPU cores)
+    .venv/bin/python benchmarks/moa_speed.py --quick        # a smaller grid, for a smoke test
+    .venv/bin/python benchmarks/moa_speed.py --device cuda  # the same on a GPU
+
+Prints a markdown report and writes it with the raw figures as JSON
+(``--out``, default benchmarks/results/<device>.json and .md). Timings are
+medians of --repeats runs after warm-up. FLOPs are counted analytically
+(router, selected-expert Q, shared K/V, q K^T and attention @ V, selected-expert O;
+backward = 2x forward) and compared with a float32 matmul peak measured in
+the same run (median of 2048^3 matmuls, before and after the module grid).
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moa  # noqa: E402,F401
+from authors_style_moa import AuthorsStyleMoA  # noqa: E402
+from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
+from moa.attention import MixtureOfAttentionHeads  # noqa: E402
+from moa.models.build import build_translation_model, dictionary_of_size  # noqa: E402
+
+D_MODEL = 512
+MOA_CONFIGS = {"8K8E128D": (8, 8, 128), "16K32E256D": (32, 16, 256), "2K8E64D": (8, 2, 64), "4K16E64D": (16, 4, 64)}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn, device, repeats, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_peak(device, repeats):
+    a, b = (torch.randn(2048, 2048, device=device) for _ in range(2))
+    return 2 * 2048 ** 3 / median_time(lambda: a @ b, device, max(repeats, 5))
+
+
+def forward_flops(name, tokens, bsz, seq):
+    """Analytic forward FLOPs of one self-attention module over tokens = bsz * seq."""
+    if name == "MHA 8x64":
+        return 4 * 2 * tokens * D_MODEL * D_MODEL + 2 * 2 * bsz * 8 * seq * seq * 64
+    experts, k, head = MOA_CONFIGS[name]
+    return (2 * tokens * D_MODEL * experts + 2 * 2 * tokens * k * D_MODEL * head
+            + 2 * 2 * tokens * D_MODEL * head + 2 * 2 * bsz * k * seq * seq * head)
+
+
+def make_module(name, device):
+    torch.manual_seed(0)
+    if name == "MHA 8x64":
+        return MultiheadAttention(D_MODEL, 8, self_attention=True).to(device)
+    experts, k, head = MOA_CONFIGS[name]
+    return MixtureOfAttentionHeads(D_MODEL, experts, k, head, self_attention=True).to(device)
+
+
+def run_module(module, x, backward):
+    out = module(x, x, x, need_weights=False)[0] if not isinstance(module, AuthorsStyleMoA) else module(x)
+    if backward:
+        out.sum().backward()
+
+
+def compute_floor(module, x, bsz, seq):
+    """The same GEMMs and attention kernel on ready-made contiguous inputs, forward and backward:
+    what the module would cost if routing, grouping, scatter and gating were free."""
+    m, dim = module, D_MODEL
+    flat = x.detach().reshape(-1, dim)
+    with torch.no_grad():
+        experts = m.router(flat).experts
+    sizes = torch.bincount(experts.flatten(), minlength=m.num_experts).tolist()
+    dense = m.top_k == m.num_experts
+    leaf = lambda *shape: torch.randn(*shape, device=x.device, requires_grad=True)  # noqa: E731
+    rows_q = [leaf(n, dim) for n in sizes]
+    rows_o = [leaf(n, m.head_dim) for n in sizes]
+    kv_in, q_in = leaf(flat.size(0), dim), leaf(bsz, m.top_k, seq, m.head_dim)
+
+    def step():
+        if dense:
+            outs = [kv_in @ m.q_experts.weight.permute(1, 0, 2).reshape(dim, -1),
+                    leaf(flat.size(0), m.num_experts * m.head_dim) @ m.o_experts.weight.reshape(-1, dim)]
+        else:
+            wq, wo = m.q_experts.weight.unbind(0), m.o_experts.weight.unbind(0)
+            outs = [r @ w for r, w in zip(rows_q, wq)] + [r @ w for r, w in zip(rows_o, wo)]
+        keys = m.k_proj(kv_in).view(bsz, 1, seq, m.head_dim)
+        values = m.v_proj(kv_in).view(bsz, 1, seq, m.head_dim)
+        outs.append(F.scaled_dot_product_attention(q_in, keys, values, enable_gqa=True))
+        sum(o.sum() for o in outs).backward()
+
+    return step
+
+
+def module_grid(device, repeats, token_counts, seq_lens, peak):
+    rows = []
+    names = ["MHA 8x64", *MOA_CONFIGS]
+    for seq in seq_lens:
+        for tokens in token_counts:
+            if tokens < seq:
+                continue
+            bsz = tokens // seq
+            x = torch.randn(seq, bsz, D_MODEL, device=device, requires_grad=True)
+            for name in names:
+                module = make_module(name, device)
+                row = {"module": name, "tokens": tokens, "seq_len": seq, "batch": bsz}
+                for mode, backward in (("fwd", False), ("fwd_bwd", True)):
+                    ctx = torch.no_grad() if not backward else torch.enable_grad()
+                    with ctx:
+                        seconds = median_time(lambda: run_module(module, x, backward), device, repeats)
+                    flops = forward_flops(name, tokens, bsz, seq) * (3 if backward else 1)
+                    row[f"{mode}_ms"] = seconds * 1e3
+                    row[f"{mode}_peak_fraction"] = flops / seconds / peak
+                if name != "MHA 8x64":
+                    floor = median_time(compute_floor(module, x, bsz, seq), device, repeats)
+                    row["fwd_bwd_overhead_fraction"] = 1 - floor / (row["fwd_bwd_ms"] / 1e3)
+                    if name in ("8K8E128D", "16K32E256D") and tokens == 1024 and seq == 64:
+                        authors = AuthorsStyleMoA(module)
+                        row["authors_style_fwd_bwd_ms"] = 1e3 * median_time(
+                            lambda: run_module(authors, x, True), device, repeats)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def kv_cache_bytes_per_token_layer(model, device, bsz=4, steps=8):
+    model.eval()
+    src = torch.randint(4, 100, (bsz, 10), device=device)
+    prev = torch.randint(4, 100, (bsz, steps), device=device)
+    state = {}
+    with torch.no_grad():
+        enc = model.encoder(src, src_lengths=torch.full((bsz,), 10, device=device))
+        for t in range(steps):
+            model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)
+    total = 0
+    for layer in model.decoder.layers:
+        buffer = layer.self_attn._get_input_buffer(state)
+        total += sum(buffer[k].numel() * buffer[k].element_size() for k in ("prev_key", "prev_value"))
+    return total / (bsz * steps * len(model.decoder.layers))
+
+
+def synthetic_batch(model, bsz, src_len, tgt_len, device):
+    g = torch.Generator().manual_seed(0)
+    vocab = len(model.decoder.dictionary)
+    src = torch.randint(4, vocab, (bsz, src_len), generator=g).to(device)
+    target = torch.randint(4, vocab, (bsz, tgt_len), generator=g).to(device)
+    prev = torch.roll(target, 1, dims=1)
+    prev[:, 0] = model.decoder.dictionary.eos()
+    return {"net_input": {"src_tokens": src, "src_lengths": torch.full((bsz,), src_len, device=device),
+                          "prev_output_tokens": prev}, "target": target, "ntokens": bsz * tgt_len,
+            "nsentences": bsz}
+
+
+def criterion_for(model, arch):
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    task = type("Task", (), {"target_dictionary": model.decoder.dictionary})()
+    name = "moa_label_smoothed_cross_entropy" if arch.startswith("moa") else "label_smoothed_cross_entropy"
+    return CRITERION_REGISTRY[name](task, sentence_avg=False, label_smoothing=0.1)
+
+
+def train_step_fn(arch, device, bsz, length):
+    model = build_translation_model(arch, dictionary_of_size(32768)).to(device).train()
+    criterion = criterion_for(model, arch)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    sample = synthetic_batch(model, bsz, length, length, device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss, _, _ = criterion(model, sample)
+        loss.backward()
+        optimizer.step()
+
+    return model, sample, step
+
+
+def model_level(device, repeats, archs, bsz=64, length=32, beam_batch=16):
+    from fairseq.sequence_generator import SequenceGenerator
+
+    rows = []
+    for arch in archs:
+        model, sample, step = train_step_fn(arch, device, bsz, length)
+        seconds = median_time(step, device, repeats, warmup=1)
+        src = sample["net_input"]["src_tokens"][:beam_batch]
+        generator = SequenceGenerator([model.eval()], model.decoder.dictionary, beam_size=4, max_len_a=0,
+                                      max_len_b=length, min_len=length)
+        batch = {"net_input": {"src_tokens": src, "src_lengths": torch.full((beam_batch,), length, device=device)}}
+        with torch.no_grad():
+            beam_seconds = median_time(lambda: generator.generate([model], batch), device, repeats, warmup=1)
+        row = {"arch": arch, "parameters": sum(p.numel() for p in model.parameters()),
+               "train_words_per_s": sample["ntokens"] / seconds, "train_step_ms": seconds * 1e3,
+               "beam4_sentences_per_s": beam_batch / beam_seconds,
+               "kv_cache_bytes_per_token_per_layer": kv_cache_bytes_per_token_layer(model, device),
+               "peak_train_memory_mb": peak_train_memory(arch, device, bsz, length)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del model, step
+    return rows
+
+
+def peak_train_memory(arch, device, bsz, length):
+    """Peak memory of three training steps, in a fresh process (CPU: peak RSS; CUDA: max allocated)."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", arch,
+                          "--device", device.type, "--batch", str(bsz), "--length", str(length)],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def memory_child(arch, device, bsz, length):
+    _, _, step = train_step_fn(arch, device, bsz, length)
+    for _ in range(3):
+        step()
+    if device.type == "cuda":
+        print(torch.cuda.max_memory_allocated() / 2 ** 20)
+    else:
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def markdown(report):
+    lines = [f"MoA benchmark, {report['date']}, {report['machine']}, torch {report['torch']}, "
+             f"{report['threads']} threads. Matmul peak (float32 2048^3): {report['peak_gflops']:.0f} GFLOP/s.", "",
+             "| module | tokens | seq | fwd ms | fwd+bwd ms | fwd+bwd % of peak | vs MHA (fwd+bwd) | overhead | "
+             "authors-style fwd+bwd ms | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+    mha = {(r["tokens"], r["seq_len"]): r for r in report["modules"] if r["module"] == "MHA 8x64"}
+    for r in report["modules"]:
+        base = mha[(r["tokens"], r["seq_len"])]["fwd_bwd_ms"]
+        overhead = f"{100 * r['fwd_bwd_overhead_fraction']:.0f}%" if "fwd_bwd_overhead_fraction" in r else ""
+        authors = r.get("authors_style_fwd_bwd_ms")
+        lines.append(f"| {r['module']} | {r['tokens']} | {r['seq_len']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | "
+                     f"{100 * r['fwd_bwd_peak_fraction']:.0f}% | {r['fwd_bwd_ms'] / base:.2f}x | {overhead} | "
+                     + (f"{authors:.1f} | {authors / r['fwd_bwd_ms']:.2f}x |" if authors else " | |"))
+    if report.get("models"):
+        lines += ["", "| arch | parameters | train words/s | beam-4 sentences/s | K/V cache bytes/token/layer | "
+                  "peak train memory MB |", "|---|---|---|---|---|---|"]
+        for r in report["models"]:
+            lines.append(f"| {r['arch']} | {r['parameters']:,} | {r['train_words_per_s']:.0f} | "
+                         f"{r['beam4_sentences_per_s']:.2f} | {r['kv_cache_bytes_per_token_per_layer']:.0f} | "
+                         f"{r['peak_train_memory_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="a few shapes and 2 repeats, no model level")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-models", action="store_true", help="skip the model-level section")
+    parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/<device>.json")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, default=32, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.memory_child:
+        return memory_child(args.memory_child, device, args.batch, args.length)
+
+    repeats = 2 if args.quick else args.repeats
+    tokens = [256, 1024] if args.quick else [256, 1024, 4096, 8192]
+    seqs = [64] if args.quick else [64, 256]
+    peak_before = matmul_peak(device, repeats)
+    modules = module_grid(device, repeats, tokens, seqs, peak_before)
+    peak = max(peak_before, matmul_peak(device, repeats))
+    for r in modules:  # fractions against the higher of the two peak measurements
+        for key in ("fwd_peak_fraction", "fwd_bwd_peak_fraction"):
+            r[key] *= peak_before / peak
+    models = [] if args.quick or args.no_models else model_level(device, 3, ["transformer_wmt_en_de", "moa_base"])
+    report = {"date": time.strftime("%Y-%m-%d"), "device": device.type, "torch": torch.__version__,
+              "threads": torch.get_num_threads(),
+              "machine": (torch.cuda.get_device_name() if device.type == "cuda"
+                          else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"),
+              "peak_gflops": peak / 1e9, "modules": modules, "models": models}
+    text = markdown(report)
+    print("\n" + text)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"{device.type}{'-quick' if args.quick else ''}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
