@@ -48,7 +48,7 @@ class AuthorsStyleMoA(nn.Module):
         order = experts.flatten().sort(0).indices
         token = order // m.top_k
         sizes = torch.bincount(experts.flatten(), minlength=m.num_experts)
-        q = _LoopedExperts.apply(flat[token], sizes, m.q_experts.weight)
+        q = _LoopedExperts.apply(flat[token], sizes, m.q_experts.weight.transpose(0, 1))
         q = torch.zeros(flat.size(0) * m.top_k, m.head_dim, dtype=x.dtype).index_add(0, order, q)
         q = q.view(bsz, tgt_len, m.top_k, m.head_dim) * m.scaling
         k = m.k_proj(x).transpose(0, 1)

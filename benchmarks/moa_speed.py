@@ -98,10 +98,10 @@ def compute_floor(module, x, bsz, seq):
 
     def step():
         if dense:
-            outs = [kv_in @ m.q_experts.weight.permute(1, 0, 2).reshape(dim, -1),
+            outs = [kv_in @ m.q_experts.weight.view(dim, -1),
                     leaf(flat.size(0), m.num_experts * m.head_dim) @ m.o_experts.weight.reshape(-1, dim)]
         else:
-            wq, wo = m.q_experts.weight.unbind(0), m.o_experts.weight.unbind(0)
+            wq, wo = m.q_experts.weight.unbind(1), m.o_experts.weight.unbind(0)
             outs = [r @ w for r, w in zip(rows_q, wq)] + [r @ w for r, w in zip(rows_o, wo)]
         keys = m.k_proj(kv_in).view(bsz, 1, seq, m.head_dim)
         values = m.v_proj(kv_in).view(bsz, 1, seq, m.head_dim)

@@ -36,7 +36,7 @@ IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 class MixtureOfAttentionHeads(nn.Module):
     """MoA attention with ``num_experts`` experts, ``top_k`` per token, head width ``head_dim``.
 
-    Parameters: router W_g (E x d_model), W_q (E x d_model x D), W_o (E x D x d_model),
+    Parameters: router W_g (E x d_model), W_q (d_model x E x D), W_o (E x D x d_model),
     shared W_k (kdim -> D) and W_v (vdim -> D); biases only with ``bias=True``.
 
     After each forward, ``self.routing`` holds the :class:`~moa.routing.Routing`
@@ -74,7 +74,7 @@ class MixtureOfAttentionHeads(nn.Module):
         self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
 
         self.router = TopKRouter(embed_dim, num_experts, top_k, gate_weights)
-        self.q_experts = ExpertLinear(num_experts, embed_dim, head_dim, bias)
+        self.q_experts = ExpertLinear(num_experts, embed_dim, head_dim, bias, expert_dim=1)
         self.k_proj = nn.Linear(kdim or embed_dim, head_dim, bias=bias)
         self.v_proj = nn.Linear(vdim or embed_dim, head_dim, bias=bias)
         self.o_experts = ExpertLinear(num_experts, head_dim, embed_dim, bias)
@@ -159,19 +159,25 @@ class MixtureOfAttentionHeads(nn.Module):
         """Multi-query attention of k query heads over the one shared K/V head.
 
         q: (B, k, T, D); keys, values: (B, S, D); bias: additive, broadcastable to
-        (B, k, T, S), or None. Returns o (B, k, T, D) and the weights asked for.
+        (B, 1, T, S), or None. The k heads are folded into the query length, (B, 1, k*T, D),
+        so K and V are read as they are, never repeated per head.
+        Returns o (B, k, T, D) and the weights asked for.
         """
+        bsz, top_k, tgt_len, head_dim = q.shape
+        q = q.reshape(bsz, 1, top_k * tgt_len, head_dim)
         keys, values = keys.unsqueeze(1), values.unsqueeze(1)
+        if bias is not None and bias.size(-2) > 1:  # a per-query mask: the same for every head
+            bias = bias.unsqueeze(2).expand(-1, -1, top_k, -1, -1).reshape(bias.size(0), 1, -1, bias.size(-1))
         if not need_weights:
             dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
-                                               scale=self.scaling, enable_gqa=True)
-            return o, None
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout, scale=self.scaling)
+            return o.view(bsz, top_k, tgt_len, head_dim), None
         scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling
         if bias is not None:
             scores = scores + bias
-        probs = utils.softmax(scores, dim=-1).type_as(scores)  # (B, k, T, S)
-        o = torch.matmul(self.dropout_module(probs), values)
+        probs = utils.softmax(scores, dim=-1).type_as(scores)  # (B, 1, k*T, S)
+        o = torch.matmul(self.dropout_module(probs), values).view(bsz, top_k, tgt_len, head_dim)
+        probs = probs.view(bsz, top_k, tgt_len, -1)
         return o, probs.transpose(0, 1) if need_head_weights else probs.mean(dim=1)
 
     def _shared_key_value(self, key, value, key_padding_mask, incremental_state, static_kv):

@@ -47,7 +47,8 @@ class _ExpertLinear(torch.autograd.Function):
     """out[dst[p]] += scale[p] * x[src[p]] @ W[e] (+ b[e]) for each expert e's block of assignments p."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation):
+    def forward(ctx, x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation, expert_dim):
+        experts = weight.unbind(expert_dim)
         # Every row written exactly once needs no zero fill: copy instead of accumulating.
         out = (x.new_empty if dst_is_permutation else x.new_zeros)(out_rows, weight.size(-1))
         write = out.index_copy_ if dst_is_permutation else out.index_add_
@@ -57,13 +58,14 @@ class _ExpertLinear(torch.autograd.Function):
                 rows = x.index_select(0, s)
                 if c is not None:
                     rows *= c.unsqueeze(1)
-                y = rows @ weight[e]
+                y = rows @ experts[e]
                 if bias is not None:
                     y += bias[e]
                 write(0, d, y)
         ctx.save_for_backward(x, weight, scale, src, dst)
         ctx.group_sizes = group_sizes
         ctx.has_bias = bias is not None
+        ctx.expert_dim = expert_dim
         return out
 
     @staticmethod
@@ -72,19 +74,21 @@ class _ExpertLinear(torch.autograd.Function):
         need_x, need_w, need_b, need_scale = ctx.needs_input_grad[:4]
         grad_x = torch.zeros_like(x) if need_x else None
         grad_w = torch.empty_like(weight) if need_w else None
-        grad_b = weight.new_zeros(weight.size(0), weight.size(-1)) if need_b and ctx.has_bias else None
+        grad_b = weight.new_zeros(weight.size(ctx.expert_dim), weight.size(-1)) if need_b and ctx.has_bias else None
         grad_scale = torch.empty_like(scale) if need_scale else None
+        experts = weight.unbind(ctx.expert_dim)
+        grad_experts = grad_w.unbind(ctx.expert_dim) if grad_w is not None else None
         offset = 0
         for e, (s, d) in enumerate(zip(src.split(ctx.group_sizes), dst.split(ctx.group_sizes))):
             n = s.numel()
             if not n:
                 if grad_w is not None:
-                    grad_w[e].zero_()
+                    grad_experts[e].zero_()
                 continue
             g = grad_out.index_select(0, d)
             c = scale[offset:offset + n].unsqueeze(1) if scale is not None else None
             if grad_x is not None or grad_scale is not None:
-                g_rows = g @ weight[e].t()  # gradient w.r.t. the (scaled) gathered rows
+                g_rows = g @ experts[e].t()  # gradient w.r.t. the (scaled) gathered rows
                 if grad_scale is not None:
                     grad_scale[offset:offset + n] = (g_rows * x.index_select(0, s)).sum(1)
                 if grad_x is not None:
@@ -93,19 +97,20 @@ class _ExpertLinear(torch.autograd.Function):
                 rows = x.index_select(0, s)
                 if c is not None:
                     rows *= c
-                torch.mm(rows.t(), g, out=grad_w[e])
+                grad_experts[e].copy_(rows.t() @ g)
             if grad_b is not None:
                 grad_b[e] = g.sum(0)
             offset += n
-        return grad_x, grad_w, grad_b, grad_scale, None, None, None, None, None
+        return grad_x, grad_w, grad_b, grad_scale, None, None, None, None, None, None
 
 
 def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor, dst: Tensor,
                   group_sizes: List[int], out_rows: int, scale: Optional[Tensor] = None,
-                  dst_is_permutation: bool = False) -> Tensor:
+                  dst_is_permutation: bool = False, expert_dim: int = 0) -> Tensor:
     """Grouped expert projection with gather, row scaling and scatter-add built in.
 
-    x: (rows_in, in_dim); weight: (E, in_dim, out_dim); bias: (E, out_dim) or None;
+    x: (rows_in, in_dim); weight: (E, in_dim, out_dim), or (in_dim, E, out_dim) with
+    ``expert_dim=1``; bias: (E, out_dim) or None;
     src, dst: (M,) row indices, sorted by expert in blocks of ``group_sizes``;
     scale: (M,) per-assignment factor on the gathered row (MoA's gate weight), or None.
     Returns (out_rows, out_dim) with
@@ -114,40 +119,56 @@ def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor
     (on CUDA in a nondeterministic order, as index_add_ is there), unless
     ``dst_is_permutation`` promises that dst names each of the out_rows exactly once.
     """
-    return _ExpertLinear.apply(x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation)
+    return _ExpertLinear.apply(x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation,
+                               expert_dim)
 
 
 class ExpertLinear(nn.Module):
     """E independent linear maps ``in_dim -> out_dim``.
 
-    weight: (E, in_dim, out_dim); bias: (E, out_dim) or None. Each expert is
-    initialised like an ``nn.Linear(in_dim, out_dim)`` with Xavier-uniform.
+    weight: (E, in_dim, out_dim) with ``expert_dim=0``, or (in_dim, E, out_dim) with
+    ``expert_dim=1``: the layout in which :meth:`fan_out` (all experts at once) is a
+    free view, used for MoA's query experts. bias: (E, out_dim) or None. Each expert
+    is initialised like an ``nn.Linear(in_dim, out_dim)`` with Xavier-uniform.
     """
 
-    def __init__(self, num_experts: int, in_dim: int, out_dim: int, bias: bool = False):
+    def __init__(self, num_experts: int, in_dim: int, out_dim: int, bias: bool = False, expert_dim: int = 0):
         super().__init__()
-        self.num_experts, self.in_dim, self.out_dim = num_experts, in_dim, out_dim
-        self.weight = nn.Parameter(torch.empty(num_experts, in_dim, out_dim))
+        if expert_dim not in (0, 1):
+            raise ValueError("expert_dim must be 0 or 1")
+        self.num_experts, self.in_dim, self.out_dim, self.expert_dim = num_experts, in_dim, out_dim, expert_dim
+        shape = (num_experts, in_dim, out_dim) if expert_dim == 0 else (in_dim, num_experts, out_dim)
+        self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.zeros(num_experts, out_dim)) if bias else None
         bound = math.sqrt(6.0 / (in_dim + out_dim))
         nn.init.uniform_(self.weight, -bound, bound)
+
+    def expert_weight(self, e: int) -> Tensor:
+        """Expert e's (in_dim, out_dim) matrix (a view)."""
+        return self.weight[e] if self.expert_dim == 0 else self.weight[:, e]
 
     def forward(self, x: Tensor, src: Tensor, dst: Tensor, group_sizes: List[int], out_rows: int,
                 scale: Optional[Tensor] = None, dst_is_permutation: bool = False, add_bias: bool = True) -> Tensor:
         """Routed rows only; see :func:`expert_linear`. ``add_bias=False`` leaves the bias to the caller."""
         return expert_linear(x, self.weight, self.bias if add_bias else None, src, dst, group_sizes, out_rows,
-                             scale, dst_is_permutation)
+                             scale, dst_is_permutation, self.expert_dim)
 
     def fan_out(self, x: Tensor) -> Tensor:
-        """Every row through every expert, for top_k == E: (N, in_dim) -> (N, E, out_dim), one matmul."""
-        flat = self.weight.permute(1, 0, 2).reshape(self.in_dim, -1)
+        """Every row through every expert, for top_k == E: (N, in_dim) -> (N, E, out_dim), one matmul.
+        Needs ``expert_dim=1``."""
+        if self.expert_dim != 1:
+            raise RuntimeError("fan_out needs the (in_dim, E, out_dim) layout, expert_dim=1")
+        flat = self.weight.view(self.in_dim, -1)
         y = x @ flat if self.bias is None else torch.addmm(self.bias.reshape(-1), x, flat)
         return y.view(x.size(0), self.num_experts, self.out_dim)
 
     def fan_in(self, h: Tensor) -> Tensor:
         """Sum of every expert's projection, for top_k == E: (N, E, in_dim) -> (N, out_dim), one
-        matmul; the bias is the caller's (it is gated)."""
-        return h.reshape(h.size(0), -1) @ self.weight.reshape(-1, self.out_dim)
+        matmul; the bias is the caller's (it is gated). Needs ``expert_dim=0``."""
+        if self.expert_dim != 0:
+            raise RuntimeError("fan_in needs the (E, in_dim, out_dim) layout, expert_dim=0")
+        return h.reshape(h.size(0), -1) @ self.weight.view(-1, self.out_dim)
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, in_dim={self.in_dim}, out_dim={self.out_dim}, bias={self.bias is not None}"
+        return (f"num_experts={self.num_experts}, in_dim={self.in_dim}, out_dim={self.out_dim}, "
+                f"bias={self.bias is not None}, expert_dim={self.expert_dim}")

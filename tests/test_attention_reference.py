@@ -30,7 +30,7 @@ def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mas
                 gates = top_p
             y = torch.zeros_like(x)
             for gate, e in zip(gates, top_e.tolist()):
-                q = x @ m.q_experts.weight[e] + bias(m.q_experts.bias, e)
+                q = x @ m.q_experts.expert_weight(e) + bias(m.q_experts.bias, e)
                 scores = []
                 for s in range(src_len):
                     blocked = key_padding_mask is not None and bool(key_padding_mask[b, s])
@@ -41,7 +41,7 @@ def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mas
                     scores.append(torch.full_like(score, float("-inf")) if blocked else score)
                 attn = torch.softmax(torch.stack(scores), dim=0)
                 o = attn @ values
-                y = y + gate.to(x.dtype) * (o @ m.o_experts.weight[e] + bias(m.o_experts.bias, e))
+                y = y + gate.to(x.dtype) * (o @ m.o_experts.expert_weight(e) + bias(m.o_experts.bias, e))
             out[t, b] = y
     return out
 
@@ -63,6 +63,8 @@ def _check_outputs_and_grads(m, query, key, value, **masks):
     # The router runs in float32 (as in the paper's code), so gates agree to float32 precision.
     tol = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, want, **tol)
+    with torch.no_grad():  # the path that returns attention weights computes the same output
+        torch.testing.assert_close(m(query, key, value, need_weights=True, **masks)[0], got.detach(), **tol)
     names = [n for n, _ in m.named_parameters()] + ["query", "key", "value"]
     for name, g, w in zip(names, got_grads, want_grads):
         torch.testing.assert_close(g, w, **tol, msg=lambda msg: f"gradient of {name}: {msg}")
