@@ -15,5 +15,10 @@ setup(
         "numpy",
     ],
     extras_require={"test": ["pytest"]},
-    entry_points={"console_scripts": ["moa-demo=moa.cli.demo:main"]},
+    entry_points={"console_scripts": [
+        "moa-demo=moa.cli.demo:main",
+        "moa-fetch=moa.cli.fetch:main",
+        "moa-wikitext-encode=moa.cli.wikitext_encode:main",
+        "moa-eval-ppl=moa.cli.eval_ppl:main",
+    ]},
 )

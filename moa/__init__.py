@@ -11,4 +11,4 @@ from moa.checkpoint_safety import allow_fairseq_checkpoint_globals
 allow_fairseq_checkpoint_globals()
 
 from moa import criterions  # noqa: E402,F401
-from moa.models import moa_transformer  # noqa: E402,F401
+from moa.models import moa_roberta, moa_transformer  # noqa: E402,F401

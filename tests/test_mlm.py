@@ -1,0 +1,142 @@
+"""Masked LM with MoA: WikiText preparation offline, training and perplexity through the CLIs."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moa.cli.demo import USER_DIR, cli
+from moa.data.wikitext import normalise_line
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIKITEXT2_VALID = os.path.join(ROOT, "..", "shared", "data", "wikitext-2", "wiki.valid.tokens")
+needs_wikitext = pytest.mark.skipif(not os.path.exists(WIKITEXT2_VALID),
+                                    reason="../shared/data/wikitext-2 is not on this machine")
+
+
+def test_normalise_line_undoes_the_tokenised_format():
+    assert normalise_line(" = = Early life = = \n") == "Early life"
+    assert normalise_line(" = Valkyria Chronicles III = \n") == "Valkyria Chronicles III"
+    assert normalise_line(" It sold 1 @,@ 000 copies in the mid @-@ 1990s at 2 @.@ 5 <unk> each . \n") == \
+        "It sold 1,000 copies in the mid-1990s at 2.5 <unk> each ."
+    assert normalise_line(" \n") is None
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """prepare-wikitext-103.sh, offline, on an archive in WikiText-103's layout cut from WikiText-2."""
+    if not os.path.exists(WIKITEXT2_VALID):
+        pytest.skip("../shared/data/wikitext-2 is not on this machine")
+    work = tmp_path_factory.mktemp("mlm")
+    with open(WIKITEXT2_VALID, encoding="utf-8") as f:
+        lines = f.readlines()
+    splits = {"train": lines[:3000], "valid": lines[3000:3400], "test": lines[3400:]}
+    mirror = work / "mirror"
+    mirror.mkdir()
+    with zipfile.ZipFile(mirror / "wikitext-103-v1.zip", "w") as z:
+        for split, part in splits.items():
+            z.writestr(f"wikitext-103/wiki.{split}.tokens", "".join(part))
+    script = os.path.join(ROOT, "examples", "mlm", "prepare-wikitext-103.sh")
+    cmd = ["bash", script, "--out", str(work / "wt"), "--mirror", str(mirror), "--sha1", "none",
+           "--vocab-size", "2000", "--workers", "1"]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert second.returncode == 0
+    return {"work": work, "out": work / "wt", "splits": splits, "rerun": second.stdout + second.stderr}
+
+
+def test_preparation_keeps_every_paragraph_and_no_markup(prepared):
+    out = prepared["out"]
+    for split, part in prepared["splits"].items():
+        expected = sum(1 for line in part if line.strip())
+        text = (out / "spm" / f"{split}.txt").read_text(encoding="utf-8").splitlines()
+        pieces = (out / "spm" / f"{split}.spm").read_text(encoding="utf-8").splitlines()
+        assert len(text) == len(pieces) == expected
+        joined = "\n".join(text)
+        assert " @-@ " not in joined and " @,@ " not in joined and not re.search(r"^ ?= ", joined, re.M)
+    assert "<unk>" in (out / "spm" / "train.spm").read_text(encoding="utf-8").split()
+    assert (out / "data-bin" / "dict.txt").exists() and (out / "data-bin" / "test.bin").exists()
+    assert "already unpacked" in prepared["rerun"] and "already binarised" in prepared["rerun"]
+
+
+def test_a_truncated_archive_is_refused(prepared, tmp_path):
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    data = (prepared["work"] / "mirror" / "wikitext-103-v1.zip").read_bytes()
+    (mirror / "wikitext-103-v1.zip").write_bytes(data[: len(data) // 2])
+    script = os.path.join(ROOT, "examples", "mlm", "prepare-wikitext-103.sh")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    proc = subprocess.run(["bash", script, "--out", str(tmp_path / "wt"), "--mirror", str(mirror), "--sha1", "none"],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode != 0 and "not a complete zip archive" in proc.stderr
+    assert not (tmp_path / "wt" / "raw").exists()
+
+
+TRAIN = ["--task", "masked_lm", "--criterion", "moa_masked_lm", "--arch", "moa_roberta_small",
+         "--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
+         "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16", "--sample-break-mode", "complete",
+         "--tokens-per-sample", "128", "--optimizer", "adam", "--lr", "5e-4", "--batch-size", "16",
+         "--max-update", "12", "--cpu", "--num-workers", "0", "--log-format", "simple", "--log-interval", "4",
+         "--no-epoch-checkpoints", "--skip-invalid-size-inputs-valid-test", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def trained(prepared):
+    save = prepared["work"] / "ckpt"
+    proc = subprocess.run([cli("fairseq-train"), str(prepared["out"] / "data-bin"), "--user-dir", USER_DIR,
+                           *TRAIN, "--save-dir", str(save)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {"ckpt": str(save / "checkpoint_last.pt"), "data_bin": str(prepared["out"] / "data-bin"),
+            "log": proc.stdout + proc.stderr}
+
+
+def test_training_logs_mlm_and_moa_figures(trained):
+    last = [line for line in trained["log"].splitlines() if "| train |" in line][-1]
+    figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
+    assert int(figures["num_updates"]) == 12
+    assert float(figures["moa_la"]) >= 1.0 - 1e-3 and float(figures["moa_aux"]) > 0
+    assert float(figures["ppl"]) == pytest.approx(2 ** float(figures["loss"]), rel=0.02)
+
+
+def _masked_nll(checkpoint, data_bin, subset):
+    """exp(mean masked NLL) computed here, from the checkpoint and fairseq's validation masks."""
+    from fairseq import checkpoint_utils
+
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([checkpoint], arg_overrides={"data": data_bin})
+    model = models[0].eval()
+    task.load_dataset(subset, combine=False, epoch=1)
+    batches = task.get_batch_iterator(dataset=task.dataset(subset), max_sentences=16,
+                                      max_positions=task.max_positions(), ignore_invalid_inputs=True,
+                                      required_batch_size_multiple=1).next_epoch_itr(shuffle=False)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for sample in batches:
+            target = sample["target"]
+            masked = target.ne(task.source_dictionary.pad())
+            logits = model(**sample["net_input"], masked_tokens=masked)[0]
+            total += F.cross_entropy(logits.float(), target[masked], reduction="sum").item()
+            count += int(masked.sum())
+    return total / count
+
+
+def test_perplexity_is_deterministic_and_matches_an_independent_computation(trained):
+    cmd = [os.path.join(ROOT, "examples", "mlm", "eval-ppl.sh"), trained["ckpt"], trained["data_bin"],
+           "valid", "--", "--skip-invalid-size-inputs-valid-test"]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    runs = [subprocess.run(["bash", *cmd], capture_output=True, text=True, env=env) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert runs[0].stdout == runs[1].stdout
+    match = re.search(r"valid: masked-token NLL ([\d.]+) nats \(([\d.]+) bits.*exp\(NLL\) = ([\d.]+)", runs[0].stdout)
+    nats, bits, ppl = (float(g) for g in match.groups())
+    assert nats == pytest.approx(bits * math.log(2), abs=1e-3) and ppl == pytest.approx(math.exp(nats), rel=1e-3)
+    independent = _masked_nll(trained["ckpt"], trained["data_bin"], "valid")
+    assert independent / math.log(2) == pytest.approx(bits, abs=6e-4)  # fairseq rounds loss to 3 decimals
