@@ -80,7 +80,8 @@ def test_a_truncated_archive_is_refused(prepared, tmp_path):
     assert not (tmp_path / "wt" / "raw").exists()
 
 
-TRAIN = ["--task", "masked_lm", "--criterion", "moa_masked_lm", "--arch", "moa_roberta_small",
+TRAIN = ["--task", "masked_lm", "--criterion", "moa_masked_lm", "--moa-alpha", "0.02", "--moa-beta", "0.002",
+         "--arch", "moa_roberta_small",
          "--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
          "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16", "--sample-break-mode", "complete",
          "--tokens-per-sample", "128", "--optimizer", "adam", "--lr", "5e-4", "--batch-size", "16",
@@ -102,7 +103,10 @@ def test_training_logs_mlm_and_moa_figures(trained):
     last = [line for line in trained["log"].splitlines() if "| train |" in line][-1]
     figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
     assert int(figures["num_updates"]) == 12
-    assert float(figures["moa_la"]) >= 1.0 - 1e-3 and float(figures["moa_aux"]) > 0
+    la, lz, aux = float(figures["moa_la"]), float(figures["moa_lz"]), float(figures["moa_aux"])
+    assert la >= 1.0 - 1e-3
+    # 2 MoA modules, --moa-alpha 0.02 --moa-beta 0.002, logged in bits like fairseq's loss
+    assert aux == pytest.approx(2 * (0.02 * la + 0.002 * lz) / math.log(2), rel=0.01)
     assert float(figures["ppl"]) == pytest.approx(2 ** float(figures["loss"]), rel=0.02)
 
 

@@ -8,10 +8,12 @@ after the division its weight on the per-token loss is exactly alpha and beta
 """
 
 import math
+from dataclasses import dataclass, field
 from typing import List
 
 import torch
 from fairseq import metrics
+from fairseq.dataclass import FairseqDataclass
 
 from moa.attention import MixtureOfAttentionHeads
 from moa.routing import Routing
@@ -22,6 +24,14 @@ LOGGED = {
     "moa_lz": "L_z, mean over MoA modules",
     "moa_load_cv": "coefficient of variation of expert load, mean over modules (0 = balanced)",
 }
+
+
+@dataclass
+class MoAAuxLossConfig(FairseqDataclass):
+    """The --moa-alpha / --moa-beta flags every MoA criterion adds to its base config."""
+
+    moa_alpha: float = field(default=0.01, metadata={"help": "weight alpha of the load-balancing loss L_a per MoA module"})
+    moa_beta: float = field(default=0.001, metadata={"help": "weight beta of the router z-loss L_z per MoA module"})
 
 
 def pop_routings(model) -> List[Routing]:

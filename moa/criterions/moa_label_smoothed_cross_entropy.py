@@ -1,6 +1,6 @@
 """Label-smoothed cross-entropy plus MoA's auxiliary losses, for translation."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
@@ -8,13 +8,12 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from moa.criterions.aux_loss import moa_aux_loss, pop_routings, reduce_moa_metrics
+from moa.criterions.aux_loss import MoAAuxLossConfig, moa_aux_loss, pop_routings, reduce_moa_metrics
 
 
 @dataclass
-class MoALabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    moa_alpha: float = field(default=0.01, metadata={"help": "weight alpha of the load-balancing loss L_a per MoA module"})
-    moa_beta: float = field(default=0.001, metadata={"help": "weight beta of the router z-loss L_z per MoA module"})
+class MoALabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig, MoAAuxLossConfig):
+    pass
 
 
 @register_criterion("moa_label_smoothed_cross_entropy", dataclass=MoALabelSmoothedCrossEntropyCriterionConfig)

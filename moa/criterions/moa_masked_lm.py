@@ -1,17 +1,16 @@
 """Masked-LM cross-entropy plus MoA's auxiliary losses (same scaling rule as for translation)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fairseq.criterions import register_criterion
 from fairseq.criterions.masked_lm import MaskedLmConfig, MaskedLmLoss
 
-from moa.criterions.aux_loss import moa_aux_loss, pop_routings, reduce_moa_metrics
+from moa.criterions.aux_loss import MoAAuxLossConfig, moa_aux_loss, pop_routings, reduce_moa_metrics
 
 
 @dataclass
-class MoAMaskedLmConfig(MaskedLmConfig):
-    moa_alpha: float = field(default=0.01, metadata={"help": "weight alpha of the load-balancing loss L_a per MoA module"})
-    moa_beta: float = field(default=0.001, metadata={"help": "weight beta of the router z-loss L_z per MoA module"})
+class MoAMaskedLmConfig(MaskedLmConfig, MoAAuxLossConfig):
+    pass
 
 
 @register_criterion("moa_masked_lm", dataclass=MoAMaskedLmConfig)
