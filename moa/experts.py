@@ -87,17 +87,20 @@ class _ExpertLinear(torch.autograd.Function):
                 continue
             g = grad_out.index_select(0, d)
             c = scale[offset:offset + n].unsqueeze(1) if scale is not None else None
+            rows = x.index_select(0, s) if grad_w is not None or grad_scale is not None else None
             if grad_x is not None or grad_scale is not None:
                 g_rows = g @ experts[e].t()  # gradient w.r.t. the (scaled) gathered rows
                 if grad_scale is not None:
-                    grad_scale[offset:offset + n] = (g_rows * x.index_select(0, s)).sum(1)
+                    grad_scale[offset:offset + n] = (g_rows * rows).sum(1)
                 if grad_x is not None:
                     grad_x.index_add_(0, s, g_rows if c is None else g_rows * c)
             if grad_w is not None:
-                rows = x.index_select(0, s)
                 if c is not None:
                     rows *= c
-                grad_experts[e].copy_(rows.t() @ g)
+                if grad_experts[e].is_contiguous():
+                    torch.mm(rows.t(), g, out=grad_experts[e])
+                else:  # a strided (in_dim, out_dim) slice of the (in_dim, E, out_dim) layout
+                    grad_experts[e].copy_(rows.t() @ g)
             if grad_b is not None:
                 grad_b[e] = g.sum(0)
             offset += n
