@@ -20,5 +20,6 @@ setup(
         "moa-fetch=moa.cli.fetch:main",
         "moa-wikitext-encode=moa.cli.wikitext_encode:main",
         "moa-eval-ppl=moa.cli.eval_ppl:main",
+        "moa-average-checkpoints=moa.cli.average_checkpoints:main",
     ]},
 )

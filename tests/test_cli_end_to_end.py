@@ -18,7 +18,8 @@ TRAIN = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1"
          "--encoder-ffn-embed-dim", "128", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16",
          "--share-all-embeddings", "--criterion", "moa_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
          "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "2048", "--cpu", "--num-workers", "0",
-         "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--seed", "3"]
+         "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--seed", "3",
+         "--save-interval-updates", "10"]
 
 
 def run_cli(*args, check=True):
@@ -121,3 +122,25 @@ def test_moa_demo_runs_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "sacreBLEU on 21 test sentences" in proc.stdout
     assert re.search(r"^BLEU = \d+\.\d\d  \(nrefs:1\|", proc.stdout, re.M)
+
+
+def test_average_checkpoints_then_generate(trained, tmp_path):
+    out = str(tmp_path / "averaged.pt")
+    tool = os.path.join(os.path.dirname(sys.executable), "moa-average-checkpoints")
+    proc = subprocess.run([tool, "--inputs", trained["ckpt"], "--num-update-checkpoints", "2",
+                           "--checkpoint-upper-bound", "20", "--output", out], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    names = [next(n for n in os.listdir(trained["ckpt"]) if re.fullmatch(rf"checkpoint_\d+_{u}\.pt", n))
+             for u in (10, 20)]
+    assert ", ".join(names) in proc.stdout
+    states = [torch.load(os.path.join(trained["ckpt"], n), map_location="cpu") for n in names]
+    averaged = torch.load(out, map_location="cpu")["model"]
+    for name, tensor in averaged.items():
+        if tensor.is_floating_point():
+            torch.testing.assert_close(tensor, (states[0]["model"][name] + states[1]["model"][name]) / 2)
+    gen = run_cli("fairseq-generate", trained["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset", "test",
+                  "--path", out, "--beam", "2", "--batch-size", "8", "--required-batch-size-multiple", "1")
+    assert f"Translated {TEST_SENTENCES} sentences" in gen.stdout + gen.stderr
+    too_many = subprocess.run([tool, "--inputs", trained["ckpt"], "--num-update-checkpoints", "9", "--output", out],
+                              capture_output=True, text=True)
+    assert too_many.returncode == 1 and "fewer than the 9 asked for" in too_many.stderr
