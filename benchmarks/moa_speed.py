@@ -213,7 +213,6 @@ def model_level(device, repeats, archs, bsz=64, length=32, beam_batch=16):
                "peak_train_memory_mb": peak_train_memory(arch, device, bsz, length)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del model, step
     return rows
 
 
