@@ -122,17 +122,16 @@ class MixtureOfAttentionHeads(nn.Module):
         x = query.reshape(tgt_len * bsz, embed_dim)
         routing = self.router(x, self._flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
         self.routing = routing
-        bias_args = (attn_mask, key_padding_mask)
+        bias = _attention_bias(attn_mask, key_padding_mask, query.dtype)
         if self.top_k == self.num_experts:
-            return self._forward_all_experts(x, routing, keys, values, bias_args, tgt_len, bsz, need_weights,
+            return self._forward_all_experts(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
                                              need_head_weights)
         plan = ExpertDispatch(routing.experts, self.num_experts, tgt_len, bsz)
         # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
         q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows,
                            dst_is_permutation=True)
         q = q.view(bsz, self.top_k, tgt_len, self.head_dim)
-        o, weights = self._attend(q, keys, values, _attention_bias(*bias_args, q.dtype), need_weights,
-                                  need_head_weights)
+        o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights)
         # y_t = sum_j w_j o_j W_o^{e_j}: the gate scales each gathered row inside the projection.
         gates = routing.weights.reshape(-1)[plan.order]
         y = self.o_experts(o.reshape(plan.num_slot_rows, self.head_dim), plan.slot_row, plan.token,
@@ -141,14 +140,13 @@ class MixtureOfAttentionHeads(nn.Module):
             y = y + (routing.weights.unsqueeze(-1) * self.o_experts.bias[routing.experts]).sum(dim=1)
         return y.view(tgt_len, bsz, self.embed_dim), weights
 
-    def _forward_all_experts(self, x, routing, keys, values, bias_args, tgt_len, bsz, need_weights,
+    def _forward_all_experts(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights,
                              need_head_weights):
         """top_k == E: every expert is selected for every token, so slot order is irrelevant; the
         projections run as two dense matmuls (the same FLOPs as the routed path, no gathers)."""
         gates = torch.zeros_like(routing.weights).scatter(1, routing.experts, routing.weights)  # (N, E)
         q = self.q_experts.fan_out(x).view(tgt_len, bsz, self.num_experts, self.head_dim).permute(1, 2, 0, 3)
-        o, weights = self._attend(q, keys, values, _attention_bias(*bias_args, q.dtype), need_weights,
-                                  need_head_weights)
+        o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights)
         o = o * gates.view(tgt_len, bsz, self.num_experts).permute(1, 2, 0).unsqueeze(-1)
         y = self.o_experts.fan_in(o.permute(2, 0, 1, 3).reshape(tgt_len * bsz, self.num_experts, self.head_dim))
         if self.o_experts.bias is not None:
