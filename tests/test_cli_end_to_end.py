@@ -144,3 +144,14 @@ def test_average_checkpoints_then_generate(trained, tmp_path):
     too_many = subprocess.run([tool, "--inputs", trained["ckpt"], "--num-update-checkpoints", "9", "--output", out],
                               capture_output=True, text=True)
     assert too_many.returncode == 1 and "fewer than the 9 asked for" in too_many.stderr
+
+
+def test_interactive_translates_from_stdin(trained):
+    with open(os.path.join(trained["raw"], "test.en"), encoding="utf-8") as f:
+        sources = [next(f), next(f)]
+    proc = subprocess.run([cli("fairseq-interactive"), trained["data_bin"], "--user-dir", USER_DIR, "--cpu",
+                           "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--beam", "2",
+                           "--source-lang", "en", "--target-lang", "de", "--post-process", "subword_nmt"],
+                          input="".join(sources), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(re.findall(r"^H-\d+\t", proc.stdout, re.M)) == 2
