@@ -21,5 +21,6 @@ setup(
         "moa-wikitext-encode=moa.cli.wikitext_encode:main",
         "moa-eval-ppl=moa.cli.eval_ppl:main",
         "moa-average-checkpoints=moa.cli.average_checkpoints:main",
+        "moa-spm=moa.cli.spm:main",
     ]},
 )

@@ -14,21 +14,10 @@ import argparse
 import os
 import sys
 
-import sentencepiece as spm
-
+from moa.data.subword import encode_file, train_sentencepiece, write_lines_atomically
 from moa.data.wikitext import normalise_lines
 
 SPLITS = ("train", "valid", "test")
-
-
-def _write_atomically(path: str, lines) -> int:
-    count = 0
-    with open(path + ".tmp", "w", encoding="utf-8") as out:
-        for line in lines:
-            out.write(line + "\n")
-            count += 1
-    os.replace(path + ".tmp", path)
-    return count
 
 
 def main(argv=None) -> int:
@@ -51,28 +40,15 @@ def main(argv=None) -> int:
         target = os.path.join(args.out_dir, f"{split}.txt")
         if not os.path.exists(target):
             with open(source, encoding="utf-8") as f:
-                n = _write_atomically(target, normalise_lines(f))
+                n = write_lines_atomically(target, normalise_lines(f))
             print(f"{target}: {n} lines", file=sys.stderr)
 
-    prefix = os.path.join(args.out_dir, "spm")
-    if not os.path.exists(prefix + ".model"):
-        spm.SentencePieceTrainer.train(
-            input=os.path.join(args.out_dir, "train.txt"), model_prefix=prefix + ".tmp",
-            vocab_size=args.vocab_size, model_type="bpe", character_coverage=1.0,
-            input_sentence_size=args.train_sentences, shuffle_input_sentence=True,
-            user_defined_symbols=["<unk>"], unk_piece="<spm-unk>", bos_id=-1, eos_id=-1,
-            minloglevel=2)
-        os.replace(prefix + ".tmp.vocab", prefix + ".vocab")
-        os.replace(prefix + ".tmp.model", prefix + ".model")
-    model = spm.SentencePieceProcessor(model_file=prefix + ".model")
-
+    model = train_sentencepiece([os.path.join(args.out_dir, "train.txt")], os.path.join(args.out_dir, "spm"),
+                                args.vocab_size, input_sentence_size=args.train_sentences,
+                                shuffle_input_sentence=True, user_defined_symbols=["<unk>"], unk_piece="<spm-unk>")
     for split in SPLITS:
-        target = os.path.join(args.out_dir, f"{split}.spm")
-        if os.path.exists(target):
-            continue
-        with open(os.path.join(args.out_dir, f"{split}.txt"), encoding="utf-8") as f:
-            n = _write_atomically(target, (" ".join(model.encode(line.rstrip("\n"), out_type=str)) for line in f))
-        print(f"{target}: {n} lines", file=sys.stderr)
+        n = encode_file(model, os.path.join(args.out_dir, f"{split}.txt"), os.path.join(args.out_dir, f"{split}.spm"))
+        print(f"{split}.spm: {n} lines", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,38 @@
+"""Joint sentencepiece models for the recipes: train on plain text, encode files atomically."""
+
+import os
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+
+def write_lines_atomically(path: str, lines: Iterable[str]) -> int:
+    """Write ``lines`` to ``path`` through a temporary name; returns how many were written."""
+    count = 0
+    with open(path + ".tmp", "w", encoding="utf-8") as out:
+        for line in lines:
+            out.write(line + "\n")
+            count += 1
+    os.replace(path + ".tmp", path)
+    return count
+
+
+def train_sentencepiece(inputs: Sequence[str], prefix: str, vocab_size: int, **options) -> str:
+    """Train a BPE sentencepiece model on ``inputs`` unless ``prefix.model`` exists; returns its path."""
+    if not os.path.exists(prefix + ".model"):
+        spm.SentencePieceTrainer.train(
+            input=",".join(inputs), model_prefix=prefix + ".tmp", vocab_size=vocab_size, model_type="bpe",
+            character_coverage=1.0, bos_id=-1, eos_id=-1, minloglevel=2, **options)
+        os.replace(prefix + ".tmp.vocab", prefix + ".vocab")
+        os.replace(prefix + ".tmp.model", prefix + ".model")
+    return prefix + ".model"
+
+
+def encode_file(model_file: str, source: str, target: str) -> int:
+    """Write ``source``'s lines as space-separated pieces to ``target`` (kept if already there)."""
+    if os.path.exists(target):
+        with open(target, encoding="utf-8") as f:
+            return sum(1 for _ in f)
+    model = spm.SentencePieceProcessor(model_file=model_file)
+    with open(source, encoding="utf-8") as f:
+        return write_lines_atomically(target, (" ".join(model.encode(line.rstrip("\n"), out_type=str)) for line in f))

@@ -1,0 +1,65 @@
+"""examples/translation/prepare-multi30k.sh, offline: on ../shared/data/multi30k and on .gz fixtures."""
+
+import gzip
+import os
+import subprocess
+import sys
+
+import pytest
+import sentencepiece as spm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh")
+MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
+SPLITS = {"train": 29000, "val": 1014, "test_2016_flickr": 1000}
+
+
+def _prepare(*args):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    return subprocess.run(["bash", SCRIPT, "--workers", "1", *args], capture_output=True, text=True, env=env)
+
+
+@pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k is not on this machine")
+def test_multi30k_en_de_from_the_shared_folder(tmp_path):
+    out = tmp_path / "m30k"
+    first = _prepare("--pair", "en-de", "--out", str(out), "--mirror", MULTI30K)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for split, count in SPLITS.items():
+        assert f"{split}: {count} sentence pairs" in first.stdout
+        for lang in ("en", "de"):
+            assert len((out / "spm" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()) == count
+    reference = (out / "raw" / "test_2016_flickr.de").read_text(encoding="utf-8")
+    assert reference == open(os.path.join(MULTI30K, "test_2016_flickr.de"), encoding="utf-8").read()
+    model = spm.SentencePieceProcessor(model_file=str(out / "spm" / "spm.model"))
+    pieces = (out / "spm" / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
+    assert [model.decode(p.split()) for p in pieces[:50]] == reference.splitlines()[:50]
+    for name in ("dict.en.txt", "dict.de.txt", "train.en-de.en.bin", "test.en-de.de.idx"):
+        assert (out / "data-bin" / name).exists()
+    assert (out / "data-bin" / "dict.en.txt").read_text() == (out / "data-bin" / "dict.de.txt").read_text()
+    again = _prepare("--pair", "en-de", "--out", str(out), "--mirror", MULTI30K)
+    assert again.returncode == 0 and "already binarised" in again.stdout
+
+
+def _gz_mirror(folder, lines_per_file, short=None):
+    folder.mkdir()
+    for split in SPLITS:
+        for lang in ("en", "fr"):
+            n = lines_per_file - 3 if (split, lang) == short else lines_per_file
+            text = "".join(f"{lang} sentence {i} of {split} with words {i % 7} and {i % 11}\n" for i in range(n))
+            with gzip.open(folder / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write(text)
+
+
+def test_gzip_mirror_and_mismatched_corpora(tmp_path):
+    _gz_mirror(tmp_path / "good", 60)
+    ok = _prepare("--pair", "en-fr", "--out", str(tmp_path / "a"), "--mirror", str(tmp_path / "good"),
+                  "--vocab-size", "60")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "val: 60 sentence pairs" in ok.stdout and (tmp_path / "a" / "data-bin" / "dict.fr.txt").exists()
+
+    _gz_mirror(tmp_path / "bad", 60, short=("val", "fr"))
+    bad = _prepare("--pair", "en-fr", "--out", str(tmp_path / "b"), "--mirror", str(tmp_path / "bad"),
+                   "--vocab-size", "60")
+    assert bad.returncode != 0
+    assert "mismatched parallel corpora: val.en has 60 lines, val.fr has 57" in bad.stderr
+    assert not (tmp_path / "b" / "raw" / "val.fr").exists() and not (tmp_path / "b" / "data-bin").exists()
