@@ -63,3 +63,35 @@ def test_gzip_mirror_and_mismatched_corpora(tmp_path):
     assert bad.returncode != 0
     assert "mismatched parallel corpora: val.en has 60 lines, val.fr has 57" in bad.stderr
     assert not (tmp_path / "b" / "raw" / "val.fr").exists() and not (tmp_path / "b" / "data-bin").exists()
+
+
+def test_python_api_translates_like_fairseq_interactive(tmp_path):
+    import moa.hub
+    from moa.cli.demo import USER_DIR, cli
+
+    _gz_mirror(tmp_path / "mirror", 60)
+    out = tmp_path / "m"
+    assert _prepare("--pair", "en-fr", "--out", str(out), "--mirror", str(tmp_path / "mirror"),
+                    "--vocab-size", "60").returncode == 0
+    data_bin, ckpt = str(out / "data-bin"), str(tmp_path / "ckpt")
+    train = subprocess.run([cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", "moa_small",
+                            "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
+                            "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2",
+                            "--moa-head-dim", "8", "--share-all-embeddings", "--optimizer", "adam", "--lr", "1e-3",
+                            "--max-tokens", "1024", "--max-update", "5", "--cpu", "--save-dir", ckpt,
+                            "--no-epoch-checkpoints", "--num-workers", "0"], capture_output=True, text=True)
+    assert train.returncode == 0, train.stderr[-3000:]
+    sentences = ["en sentence 3 of val with words 3 and 3", "en sentence 8 of val with words 1 and 8"]
+    translator = moa.hub.load_translator(os.path.join(ckpt, "checkpoint_last.pt"), data_bin,
+                                         sentencepiece_model=str(out / "spm" / "spm.model"), cpu=True)
+    batch = translator.translate(sentences, beam=2)
+    assert isinstance(batch, list) and len(batch) == 2 and translator.translate(sentences[0], beam=2) == batch[0]
+    interactive = subprocess.run([cli("fairseq-interactive"), data_bin, "--user-dir", USER_DIR, "--cpu",
+                                  "--path", os.path.join(ckpt, "checkpoint_last.pt"), "--beam", "2",
+                                  "--bpe", "sentencepiece", "--sentencepiece-model", str(out / "spm" / "spm.model")],
+                                 input="\n".join(sentences) + "\n", capture_output=True, text=True)
+    assert interactive.returncode == 0, interactive.stderr[-3000:]
+    detok = [line.split("\t")[2] for line in interactive.stdout.splitlines() if line.startswith("D-")]
+    assert batch == detok
+    with pytest.raises(FileNotFoundError, match="nowhere.pt"):
+        moa.hub.load_translator(str(tmp_path / "nowhere.pt"), data_bin)
