@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from moa.checkpoint_safety import fairseq_checkpoint_globals
-from moa.cli.demo import USER_DIR, cli, read_hypotheses, score, write_corpus
+from moa.cli import USER_DIR, cli
+from moa.cli.demo import read_hypotheses, score, write_corpus
 
 TEST_SENTENCES = 37  # not a multiple of 8: fairseq would drop a tail batch without --required-batch-size-multiple 1
 TRAIN = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",

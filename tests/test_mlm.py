@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moa.cli.demo import USER_DIR, cli
+from moa.cli import USER_DIR, cli
 from moa.data.wikitext import normalise_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -67,7 +67,7 @@ def test_gzip_mirror_and_mismatched_corpora(tmp_path):
 
 def test_python_api_translates_like_fairseq_interactive(tmp_path):
     import moa.hub
-    from moa.cli.demo import USER_DIR, cli
+    from moa.cli import USER_DIR, cli
 
     _gz_mirror(tmp_path / "mirror", 60)
     out = tmp_path / "m"

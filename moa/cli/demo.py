@@ -17,10 +17,9 @@ import time
 import sacrebleu
 import torch
 
-import moa
+from moa.cli import USER_DIR, cli
 from moa.data.number_phrases import generate_splits
 
-USER_DIR = os.path.dirname(os.path.abspath(moa.__file__))
 SPLITS = ("train", "valid", "test")
 
 
@@ -42,12 +41,6 @@ def run(cmd, log_path: str) -> None:
         with open(log_path, encoding="utf-8") as log:
             tail = log.read()[-3000:]
         sys.exit(f"{cmd[0]} failed with exit code {code}; the end of {log_path}:\n{tail}")
-
-
-def cli(name: str) -> str:
-    """The path of a console script installed beside this Python (fairseq-train, ...)."""
-    path = os.path.join(os.path.dirname(sys.executable), name)
-    return path if os.path.exists(path) else name
 
 
 def read_hypotheses(generate_log: str) -> dict:

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 
-from moa.cli.demo import USER_DIR, cli
+from moa.cli import USER_DIR, cli
 
 _RESULT = re.compile(r"valid on '([^']+)' subset \| loss ([\d.]+)")
 
