@@ -59,7 +59,7 @@ def moa_aux_loss(routings: List[Routing], sample_size, alpha: float, beta: float
     loads = torch.stack([r.expert_load for r in routings])
     load_cv = loads.std(dim=1, unbiased=False) / loads.mean(dim=1).clamp(min=1e-9)
     aux = sample_size * (alpha * l_a.sum() + beta * l_z.sum())
-    logging_output["moa_aux"] = aux.detach() if torch.is_tensor(aux) else aux
+    logging_output["moa_aux"] = aux.detach()
     logging_output["moa_la"] = l_a.detach().mean() * sample_size
     logging_output["moa_lz"] = l_z.detach().mean() * sample_size
     logging_output["moa_load_cv"] = load_cv.mean() * sample_size
