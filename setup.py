@@ -12,6 +12,7 @@ setup(
         "fairseq==0.12.2; python_version < '3.11'",
         "sacrebleu>=2.0",
         "sentencepiece",
+        "sacremoses",
         "numpy",
     ],
     extras_require={"test": ["pytest"]},
@@ -22,5 +23,7 @@ setup(
         "moa-eval-ppl=moa.cli.eval_ppl:main",
         "moa-average-checkpoints=moa.cli.average_checkpoints:main",
         "moa-spm=moa.cli.spm:main",
+        "moa-score=moa.cli.score:main",
+        "moa-corpus=moa.cli.corpus:main",
     ]},
 )

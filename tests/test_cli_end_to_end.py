@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import sacrebleu
 import torch
 
 from moa.checkpoint_safety import fairseq_checkpoint_globals
 from moa.cli import USER_DIR, cli
-from moa.cli.demo import read_hypotheses, score, write_corpus
+from moa.cli.demo import write_corpus
+from moa.scoring import read_hypotheses, read_lines
 
 TEST_SENTENCES = 37  # not a multiple of 8: fairseq would drop a tail batch without --required-batch-size-multiple 1
 TRAIN = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
@@ -63,10 +65,18 @@ def test_generate_translates_every_test_sentence_and_scores(trained):
     hyps = read_hypotheses(log)
     assert sorted(hyps) == list(range(TEST_SENTENCES))
     assert not any("@@" in h for h in hyps.values())
-    result, signature, _, refs = score(hyps, os.path.join(trained["raw"], "test.ref.de"))
-    assert len(refs) == TEST_SENTENCES and 0.0 <= result.score <= 100.0 and "tok:13a" in signature
-    with pytest.raises(RuntimeError, match="translated 36 of 37"):
-        score({i: h for i, h in hyps.items() if i != 5}, os.path.join(trained["raw"], "test.ref.de"))
+    refs = read_lines(os.path.join(trained["raw"], "test.ref.de"))
+    expected = sacrebleu.corpus_bleu([hyps[i] for i in range(TEST_SENTENCES)], [refs]).score
+    scored = run_cli("moa-score", log, os.path.join(trained["raw"], "test.ref.de"), "--lang", "de")
+    assert scored.returncode == 0, scored.stderr
+    reported = float(re.search(r"^sacreBLEU = ([\d.]+)  \((.*)\)$", scored.stdout, re.M).group(1))
+    assert reported == pytest.approx(expected, abs=0.005) and "tok:13a" in scored.stdout
+    assert re.search(r"^tokenised BLEU with compound splitting = [\d.]+$", scored.stdout, re.M)
+    with open(log + ".short", "w", encoding="utf-8") as f:
+        f.writelines(line for line in proc.stdout.splitlines(keepends=True) if not line.startswith("D-5\t"))
+    short = run_cli("moa-score", log + ".short", os.path.join(trained["raw"], "test.ref.de"), "--lang", "de",
+                    check=False)
+    assert short.returncode == 1 and "translated 36 sentences for 37 references; missing ids start [5]" in short.stderr
 
 
 def test_validate_reports_loss(trained):

@@ -8,17 +8,16 @@ plain-text references with sacreBLEU. Every step writes into ``--workdir``.
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 
-import sacrebleu
 import torch
 
 from moa.cli import USER_DIR, cli
 from moa.data.number_phrases import generate_splits
+from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses, read_lines
 
 SPLITS = ("train", "valid", "test")
 
@@ -41,30 +40,6 @@ def run(cmd, log_path: str) -> None:
         with open(log_path, encoding="utf-8") as log:
             tail = log.read()[-3000:]
         sys.exit(f"{cmd[0]} failed with exit code {code}; the end of {log_path}:\n{tail}")
-
-
-def read_hypotheses(generate_log: str) -> dict:
-    """``{sentence id: detokenised hypothesis}`` from fairseq-generate's D- lines."""
-    hyps = {}
-    with open(generate_log, encoding="utf-8") as f:
-        for line in f:
-            match = re.match(r"^D-(\d+)\t[^\t]*\t(.*)$", line.rstrip("\n"))
-            if match:
-                hyps[int(match.group(1))] = match.group(2)
-    return hyps
-
-
-def score(hypotheses: dict, reference_file: str):
-    """sacreBLEU of the hypotheses against the plain references; every sentence must be there."""
-    with open(reference_file, encoding="utf-8") as f:
-        refs = [line.rstrip("\n") for line in f]
-    missing = sorted(set(range(len(refs))) - set(hypotheses))
-    if missing:
-        raise RuntimeError(f"fairseq-generate translated {len(hypotheses)} of {len(refs)} test sentences; "
-                           f"missing ids start {missing[:5]}")
-    hyps = [hypotheses[i] for i in range(len(refs))]
-    bleu = sacrebleu.metrics.BLEU()
-    return bleu.corpus_score(hyps, [refs]), str(bleu.get_signature()), hyps, refs
 
 
 def main(argv=None):
@@ -117,11 +92,13 @@ def main(argv=None):
          "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "subword_nmt",
          "--num-workers", "0"], generate_log)
 
-    result, signature, hyps, refs = score(read_hypotheses(generate_log), os.path.join(raw, "test.ref.de"))
+    refs = read_lines(os.path.join(raw, "test.ref.de"))
+    hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
+    report = bleu_report(hyps, refs, "de")
     print(f"[4/4] sacreBLEU on {len(hyps)} test sentences ({time.time() - started:.0f} s in all)")
     for hyp, ref in list(zip(hyps, refs))[:3]:
         print(f"  REF {ref}\n  HYP {hyp}")
-    print(f"BLEU = {result.score:.2f}  ({signature})")
+    print(f"BLEU = {report.sacrebleu:.2f}  ({report.signature})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""``moa-score``: both BLEU figures for a fairseq-generate log against raw references.
+
+    moa-score GENERATE_LOG REFERENCES --lang de [--json OUT]
+
+Reads the ``D-`` lines (detokenised hypotheses; generate with ``--post-process
+sentencepiece``), checks that every reference line has its hypothesis, then prints
+sacreBLEU with its signature and the paper's tokenised, compound-split BLEU
+(see :mod:`moa.scoring`).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses, read_lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="moa-score", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("generate_log")
+    parser.add_argument("references", help="raw (detokenised) reference text, one sentence per line")
+    parser.add_argument("--lang", required=True, help="target language, for Moses tokenisation (de, fr, ...)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    for path in (args.generate_log, args.references):
+        if not os.path.isfile(path):
+            parser.error(f"{path} does not exist")
+    references = read_lines(args.references)
+    try:
+        hypotheses = ordered_hypotheses(read_hypotheses(args.generate_log), len(references))
+    except ValueError as e:
+        print(f"moa-score: {e}", file=sys.stderr)
+        return 1
+    report = bleu_report(hypotheses, references, args.lang)
+    print(f"{report.sentences} of {len(references)} test sentences translated")
+    print("\n".join(report.lines()))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.__dict__, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
