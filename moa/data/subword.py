@@ -31,8 +31,8 @@ def train_sentencepiece(inputs: Sequence[str], prefix: str, vocab_size: int, **o
 def encode_file(model_file: str, source: str, target: str) -> int:
     """Write ``source``'s lines as space-separated pieces to ``target`` (kept if already there)."""
     if os.path.exists(target):
-        with open(target, encoding="utf-8") as f:
+        with open(target, encoding="utf-8", newline="\n") as f:
             return sum(1 for _ in f)
     model = spm.SentencePieceProcessor(model_file=model_file)
-    with open(source, encoding="utf-8") as f:
+    with open(source, encoding="utf-8", newline="\n") as f:  # split on \n only, as moa.data.parallel writes
         return write_lines_atomically(target, (" ".join(model.encode(line.rstrip("\n"), out_type=str)) for line in f))
