@@ -95,3 +95,61 @@ def test_python_api_translates_like_fairseq_interactive(tmp_path):
     assert batch == detok
     with pytest.raises(FileNotFoundError, match="nowhere.pt"):
         moa.hub.load_translator(str(tmp_path / "nowhere.pt"), data_bin)
+
+
+TINY_MOA = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
+            "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8"]
+
+
+def _script(name, *args):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    return subprocess.run(["bash", os.path.join(ROOT, "examples", "translation", name), *args],
+                          capture_output=True, text=True, env=env)
+
+
+def test_train_script_keeps_the_papers_effective_batch_for_any_gpu_count(tmp_path):
+    (tmp_path / "dict.en.txt").write_text("a 1\n")
+    for gpus, freq in (("1", "32"), ("4", "8"), ("8", "4")):
+        dry = _script("train-wmt14.sh", "--pair", "en-de", "--data", str(tmp_path), "--gpus", gpus, "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert f"--update-freq {freq} " in dry.stdout and "--max-tokens 8192 " in dry.stdout
+        assert "--lr 7e-4" in dry.stdout and "--warmup-updates 4000" in dry.stdout and "--adam-eps 1e-9" in dry.stdout
+        assert (f"--distributed-world-size {gpus}" in dry.stdout) == (gpus != "1")
+    bad = _script("train-wmt14.sh", "--pair", "en-de", "--data", str(tmp_path), "--gpus", "3", "--dry-run")
+    assert bad.returncode == 2 and "does not divide the paper's 262144 tokens per update" in bad.stderr
+    missing = _script("train-wmt14.sh", "--pair", "en-fr", "--data", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "run prepare-wmt14.sh --pair en-fr first" in missing.stderr
+
+
+def test_train_then_evaluate_averages_translates_everything_and_reports_both_bleus(tmp_path):
+    import json
+
+    import sacrebleu
+
+    from moa.scoring import read_hypotheses, read_lines
+
+    _gz_mirror(tmp_path / "mirror", 60)
+    out = tmp_path / "m"
+    assert _prepare("--pair", "en-fr", "--out", str(out), "--mirror", str(tmp_path / "mirror"),
+                    "--vocab-size", "60").returncode == 0
+    ckpt = tmp_path / "ckpt"
+    train = _script("train-wmt14.sh", "--pair", "en-fr", "--data", str(out), "--gpus", "32", "--max-tokens", "8192",
+                    "--save-dir", str(ckpt), "--", "--cpu", "--distributed-world-size", "1", *TINY_MOA, "--max-epoch", "3", "--num-workers", "0")
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "8192 tokens x 32 GPU(s) x update-freq 1 = 262144" in train.stderr
+    assert sorted(p.name for p in ckpt.glob("checkpoint[0-9]*.pt")) == ["checkpoint1.pt", "checkpoint2.pt",
+                                                                       "checkpoint3.pt"]
+    ref = out / "raw" / "test_2016_flickr.fr"
+    ev = _script("evaluate.sh", "--pair", "en-fr", "--data", str(out / "data-bin"), "--ref", str(ref),
+                 "--checkpoints", str(ckpt), "--last", "2", "--cpu", "--max-tokens", "500",
+                 "--", "--max-len-b", "12")  # an untrained model would otherwise write 200 tokens a sentence
+    assert ev.returncode == 0, ev.stdout[-2000:] + ev.stderr[-3000:]
+    assert (ckpt / "averaged-last2.pt").exists() and "60 of 60 test sentences translated" in ev.stdout
+    refs = read_lines(str(ref))
+    hyps = read_hypotheses(str(ckpt / "generate-test.log"))
+    report = json.loads((ckpt / "bleu-test.json").read_text())
+    assert report["sacrebleu"] == pytest.approx(sacrebleu.corpus_bleu([hyps[i] for i in range(60)], [refs]).score)
+    assert f"({report['signature']})" in ev.stdout and "tokenised BLEU with compound splitting" in ev.stdout
+    too_many = _script("evaluate.sh", "--pair", "en-fr", "--data", str(out / "data-bin"), "--ref", str(ref),
+                       "--checkpoints", str(ckpt), "--last", "5", "--cpu")
+    assert too_many.returncode != 0 and "holds 3 epoch checkpoints, fewer than the 5 asked for" in too_many.stderr
