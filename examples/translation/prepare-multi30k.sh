@@ -11,6 +11,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 [ -d "$repo/.venv/bin" ] && PATH="$repo/.venv/bin:$PATH"
+. "$(dirname "$0")/common.sh"
 
 pair=en-de
 out=""
@@ -73,13 +74,5 @@ done
 moa-spm encode --model "$out/spm/spm.model" "${pairs[@]}"
 
 echo "[4/4] binarise"
-if [ ! -f "$out/data-bin/dict.$src.txt" ]; then
-    rm -rf "$out/data-bin.tmp"
-    fairseq-preprocess --source-lang "$src" --target-lang "$tgt" --joined-dictionary \
-        --trainpref "$out/spm/train" --validpref "$out/spm/val" --testpref "$out/spm/test_2016_flickr" \
-        --destdir "$out/data-bin.tmp" --workers "$workers"
-    rm -rf "$out/data-bin" && mv "$out/data-bin.tmp" "$out/data-bin"
-else
-    echo "  $out/data-bin already binarised"
-fi
+binarise "$src" "$tgt" "$out/spm" val test_2016_flickr "$out/data-bin" "$workers"
 echo "done: $out/data-bin (test references: $out/raw/test_2016_flickr.$tgt)"

@@ -18,6 +18,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 [ -d "$repo/.venv/bin" ] && PATH="$repo/.venv/bin:$PATH"
 me=$(basename "$0")
+. "$(dirname "$0")/common.sh"
 
 pair=""
 out=""
@@ -169,14 +170,6 @@ if [ ! -f "$out/spm/train.$tgt" ]; then
 fi
 
 echo "[6/6] binarise"
-if [ ! -f "$out/data-bin/dict.$src.txt" ]; then
-    rm -rf "$out/data-bin.tmp"
-    fairseq-preprocess --source-lang "$src" --target-lang "$tgt" --joined-dictionary \
-        --trainpref "$out/spm/train" --validpref "$out/spm/valid" --testpref "$out/spm/test" \
-        --destdir "$out/data-bin.tmp" --workers "$workers"
-    rm -rf "$out/data-bin" && mv "$out/data-bin.tmp" "$out/data-bin"
-else
-    echo "  $out/data-bin already binarised"
-fi
+binarise "$src" "$tgt" "$out/spm" valid test "$out/data-bin" "$workers"
 echo "done: $out/data-bin ($(wc -l < "$out/spm/train.$src") training pairs, $(wc -l < "$out/text/test.$tgt") test sentences;" \
      "raw newstest2014 reference: $out/text/test.$tgt)"
