@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from moa.attention import MixtureOfAttentionHeads
@@ -34,3 +35,31 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     for row in report["modules"]:
         assert 0 < row["fwd_bwd_peak_fraction"] < 1.5 and row["fwd_bwd_ms"] > 0 and row["fwd_ms"] > 0
     assert "| 8K8E128D | 1024 | 64 |" in (tmp_path / "quick.md").read_text()
+
+
+MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
+
+
+@pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k is not on this machine")
+def test_multi30k_translation_benchmark_smoke(tmp_path):
+    from fairseq.data import Dictionary
+
+    from moa.models.build import build_translation_model
+
+    out = tmp_path / "result"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--smoke",
+                           "--pairs", "en-de", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "result.json").read_text())
+    moa_row, transformer_row = report["rows"]
+    assert report["budget"] == "equal updates, 20 of up to 4096 tokens per model"
+    dictionary = Dictionary.load(str(tmp_path / "work" / "multi30k-en-de" / "data-bin" / "dict.en.txt"))
+    moa_model = build_translation_model("moa_small", dictionary, ["--share-all-embeddings"])
+    assert moa_row["parameters"] == sum(p.numel() for p in moa_model.parameters())
+    for row in (moa_row, transformer_row):
+        assert row["updates"] == 20 and row["translated"] == row["test_sentences"] == 100
+        assert 0 <= row["sacrebleu"] <= 100 and row["train_words_per_s"] > 0
+    # one shared 64-wide key/value head instead of four: fewer MACs per token, despite the router
+    assert moa_row["macs_per_target_token"] < transformer_row["macs_per_target_token"]
+    assert "| en-de | MoA 4K8E64D (moa_small) |" in (tmp_path / "result.md").read_text()

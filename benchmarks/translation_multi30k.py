@@ -1,0 +1,197 @@
+"""Translation on real data, CPU: a small MoA model against a same-shape Transformer on Multi30k.
+
+    .venv/bin/python benchmarks/translation_multi30k.py [--pairs en-de en-fr] [--updates N | --minutes M]
+    .venv/bin/python benchmarks/translation_multi30k.py --smoke     # a 2-minute version (CI runs this)
+
+For each pair, ../shared/data/multi30k goes through examples/translation/prepare-multi30k.sh
+(offline, --mirror; 8,000 joint sentencepiece pieces). Then both models train with the same
+d_model 256, FFN 1024, 3+3 layers, batch, optimiser, schedule and budget: the same number of
+updates (default), or the same wall time with --minutes. MoA is ``moa_small`` (4K8E64D: 4 of 8
+experts of width 64, one shared key/value head); the Transformer is fairseq's ``transformer`` with
+4 heads of 64. Both translate every test_2016_flickr sentence (beam 4, length penalty 0.6) and
+are scored with sacreBLEU against the raw references (see moa.scoring).
+
+Reported per model: parameters; forward MACs per target token, counted by
+torch.utils.flop_counter on the first 200 validation pairs, teacher-forced, one pair at a
+time (every matmul: embeddings' output projection, attention, router, experts, FFN);
+training words/s (fairseq's wps: target tokens per second) and wall time; best validation loss;
+sacreBLEU and the paper's tokenised BLEU. Writes benchmarks/results/translation-multi30k.{json,md}.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import moa  # noqa: E402,F401  (registers the plugin and the checkpoint allow-list)
+from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses, read_lines  # noqa: E402
+
+MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
+BIN = os.path.dirname(sys.executable)
+USER_DIR = os.path.join(ROOT, "moa")
+SHAPE = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "256", "--decoder-embed-dim", "256",
+         "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
+         "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
+MODELS = {
+    "MoA 4K8E64D (moa_small)": ["--arch", "moa_small", "--criterion", "moa_label_smoothed_cross_entropy",
+                                "--moa-alpha", "0.01", "--moa-beta", "0.001"],
+    "Transformer 4x64 (transformer)": ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"],
+}
+TRAINING = ["--task", "translation", "--share-all-embeddings", "--label-smoothing", "0.1",
+            "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
+            "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "400",
+            "--dropout", "0.3", "--attention-dropout", "0.1", "--weight-decay", "0.0001",
+            "--max-tokens", "4096", "--cpu", "--num-workers", "0", "--seed", "1",
+            "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "50"]
+
+
+def run(cmd, log_path=None):
+    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if log_path:
+        with open(log_path, "w", encoding="utf-8") as f:
+            f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        sys.exit(f"{os.path.basename(cmd[0])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout + proc.stderr
+
+
+def make_mirror(work, smoke):
+    """The shared Multi30k folder, or for --smoke a folder with its first lines only."""
+    if not smoke:
+        return MULTI30K
+    mirror = os.path.join(work, "mirror")
+    os.makedirs(mirror, exist_ok=True)
+    for split, n in (("train", 3000), ("val", 200), ("test_2016_flickr", 100)):
+        for lang in ("en", "de", "fr"):
+            with open(os.path.join(MULTI30K, f"{split}.{lang}"), encoding="utf-8") as f:
+                lines = [next(f) for _ in range(n)]
+            with open(os.path.join(mirror, f"{split}.{lang}"), "w", encoding="utf-8") as f:
+                f.writelines(lines)
+    return mirror
+
+
+def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200):
+    """Forward MACs per target token over the first ``pairs`` validation pairs, teacher-forced."""
+    from fairseq import checkpoint_utils
+
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [checkpoint], arg_overrides={"data": os.path.join(data_dir, "data-bin")})
+    model = models[0].eval()
+    d = task.source_dictionary
+    src_lines = read_lines(os.path.join(data_dir, "spm", f"val.{src}"))[:pairs]
+    tgt_lines = read_lines(os.path.join(data_dir, "spm", f"val.{tgt}"))[:pairs]
+    flops, tokens = 0, 0
+    with torch.no_grad():
+        for s, t in zip(src_lines, tgt_lines):
+            source = d.encode_line(s, add_if_not_exist=False).long().unsqueeze(0)
+            target = d.encode_line(t, add_if_not_exist=False).long().unsqueeze(0)
+            prev = torch.cat([target.new_full((1, 1), d.eos()), target[:, :-1]], dim=1)
+            with FlopCounterMode(display=False) as counter:
+                model(source, torch.tensor([source.size(1)]), prev)
+            flops += counter.get_total_flops()
+            tokens += target.size(1)
+    return flops / 2 / tokens
+
+
+def train_and_score(name, model_args, pair, data_dir, work, budget):
+    src, tgt = pair.split("-")
+    save = os.path.join(work, pair, re.sub(r"\W+", "-", name).strip("-"))
+    os.makedirs(save, exist_ok=True)
+    started = time.time()
+    log = run([os.path.join(BIN, "fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
+               *model_args, *SHAPE, *TRAINING, *budget, "--save-dir", save], os.path.join(save, "train.log"))
+    train_wall = time.time() - started
+    wps = [float(x) for line in log.splitlines() if "| train |" in line for x in re.findall(r"\| wps ([\d.]+)", line)]
+    updates = [int(x) for x in re.findall(r"\| num_updates (\d+)", log)]
+    valid = [float(x) for line in log.splitlines() if "| valid |" in line for x in re.findall(r"\| loss ([\d.]+)", line)]
+    params = int(re.search(r"num\. shared model params: ([\d,]+)", log).group(1).replace(",", ""))
+
+    started = time.time()
+    checkpoint = os.path.join(save, "checkpoint_best.pt")
+    generate_log = os.path.join(save, "generate.log")
+    gen = run([os.path.join(BIN, "fairseq-generate"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
+               "--cpu", "--gen-subset", "test", "--path", checkpoint, "--beam", "4", "--lenpen", "0.6",
+               "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "sentencepiece",
+               "--num-workers", "0"], generate_log)
+    generate_wall = time.time() - started
+    refs = read_lines(os.path.join(data_dir, "raw", f"test_2016_flickr.{tgt}"))
+    hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
+    report = bleu_report(hyps, refs, tgt)
+    translated = int(re.search(r"Translated ([\d,]+) sentences", gen).group(1).replace(",", ""))
+    return {"pair": pair, "model": name, "parameters": params,
+            "macs_per_target_token": macs_per_target_token(checkpoint, data_dir, src, tgt),
+            "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
+            "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
+            "best_valid_loss": min(valid) if valid else float("nan"),
+            "test_sentences": len(refs), "translated": translated, "generate_wall_s": generate_wall,
+            "sacrebleu": report.sacrebleu, "signature": report.signature, "tokenized_bleu": report.tokenized_bleu}
+
+
+def markdown(rows, budget_text):
+    lines = [f"Multi30k, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}, budget: {budget_text}.",
+             "Test: test_2016_flickr, beam 4, length penalty 0.6, checkpoint_best. MACs: forward, per target token.", "",
+             "| pair | model | parameters | MACs/token | train words/s | train s | updates | valid loss | sacreBLEU | tok. BLEU |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['pair']} | {r['model']} | {r['parameters']:,} | {r['macs_per_target_token'] / 1e6:.2f}M | "
+                     f"{r['train_words_per_s']:.0f} | {r['train_wall_s']:.0f} | {r['updates']} | {r['best_valid_loss']:.3f} | "
+                     f"{r['sacrebleu']:.2f} | {r['tokenized_bleu']:.2f} |")
+    lines += ["", "| pair | MoA / Transformer: BLEU difference | words/s ratio | MACs ratio | parameters ratio |",
+              "|---|---|---|---|---|"]
+    for pair in dict.fromkeys(r["pair"] for r in rows):
+        m, t = [r for r in rows if r["pair"] == pair][:2]
+        lines.append(f"| {pair} | {m['sacrebleu'] - t['sacrebleu']:+.2f} | {m['train_words_per_s'] / t['train_words_per_s']:.2f}x | "
+                     f"{m['macs_per_target_token'] / t['macs_per_target_token']:.2f}x | {m['parameters'] / t['parameters']:.2f}x |")
+    lines.append(f"\nsacreBLEU signature: {rows[0]['signature']}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", nargs="+", default=["en-de", "en-fr"], choices=["en-de", "en-fr"])
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--updates", type=int, help="equal updates for both models (default 1500; 20 with --smoke)")
+    budget.add_argument("--minutes", type=float, help="equal training wall time for both models instead")
+    parser.add_argument("--smoke", action="store_true", help="first 3000/200/100 lines, 2,000 pieces, 20 updates")
+    parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "translation-multi30k"),
+                        help="output prefix for .json and .md")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(MULTI30K):
+        sys.exit(f"{MULTI30K} is missing: this benchmark reads the project's shared Multi30k folder")
+    if args.minutes:
+        budget, budget_text = ["--stop-time-hours", str(args.minutes / 60), "--max-epoch", "1000"], \
+            f"equal training time, {args.minutes:g} min per model"
+    else:
+        updates = args.updates or (20 if args.smoke else 1500)
+        budget, budget_text = ["--max-update", str(updates)], f"equal updates, {updates} of up to 4096 tokens per model"
+    mirror = make_mirror(args.workdir, args.smoke)
+    rows = []
+    for pair in args.pairs:
+        data_dir = os.path.join(args.workdir, f"multi30k-{pair}")
+        run(["bash", os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh"), "--pair", pair,
+             "--out", data_dir, "--mirror", mirror, "--vocab-size", "2000" if args.smoke else "8000", "--workers", "2"])
+        for name, model_args in MODELS.items():
+            row = train_and_score(name, model_args, pair, data_dir, args.workdir, budget)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    text = markdown(rows, budget_text)
+    print("\n" + text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"budget": budget_text, "rows": rows}, f, indent=1)
+    with open(args.out + ".md", "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
