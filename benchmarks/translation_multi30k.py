@@ -35,7 +35,8 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import moa  # noqa: E402,F401  (registers the plugin and the checkpoint allow-list)
-from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses, read_lines  # noqa: E402
+from moa.data.parallel import read_lines  # noqa: E402
+from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses  # noqa: E402
 
 MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 BIN = os.path.dirname(sys.executable)
@@ -90,8 +91,8 @@ def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200):
         [checkpoint], arg_overrides={"data": os.path.join(data_dir, "data-bin")})
     model = models[0].eval()
     d = task.source_dictionary
-    src_lines = read_lines(os.path.join(data_dir, "spm", f"val.{src}"))[:pairs]
-    tgt_lines = read_lines(os.path.join(data_dir, "spm", f"val.{tgt}"))[:pairs]
+    src_lines = list(read_lines(os.path.join(data_dir, "spm", f"val.{src}")))[:pairs]
+    tgt_lines = list(read_lines(os.path.join(data_dir, "spm", f"val.{tgt}")))[:pairs]
     flops, tokens = 0, 0
     with torch.no_grad():
         for s, t in zip(src_lines, tgt_lines):
@@ -126,7 +127,7 @@ def train_and_score(name, model_args, pair, data_dir, work, budget):
                "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "sentencepiece",
                "--num-workers", "0"], generate_log)
     generate_wall = time.time() - started
-    refs = read_lines(os.path.join(data_dir, "raw", f"test_2016_flickr.{tgt}"))
+    refs = list(read_lines(os.path.join(data_dir, "raw", f"test_2016_flickr.{tgt}")))
     hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
     report = bleu_report(hyps, refs, tgt)
     translated = int(re.search(r"Translated ([\d,]+) sentences", gen).group(1).replace(",", ""))

@@ -48,11 +48,6 @@ def read_hypotheses(generate_log: str) -> Dict[int, str]:
     return hyps
 
 
-def read_lines(path: str) -> List[str]:
-    with open(path, encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
-
-
 def ordered_hypotheses(hypotheses: Dict[int, str], count: int) -> List[str]:
     """The hypotheses in id order; an error naming the gap unless every id in ``range(count)`` is there."""
     missing = sorted(set(range(count)) - set(hypotheses))

@@ -14,7 +14,8 @@ import torch
 from moa.checkpoint_safety import fairseq_checkpoint_globals
 from moa.cli import USER_DIR, cli
 from moa.cli.demo import write_corpus
-from moa.scoring import read_hypotheses, read_lines
+from moa.data.parallel import read_lines
+from moa.scoring import read_hypotheses
 
 TEST_SENTENCES = 37  # not a multiple of 8: fairseq would drop a tail batch without --required-batch-size-multiple 1
 TRAIN = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
@@ -65,7 +66,7 @@ def test_generate_translates_every_test_sentence_and_scores(trained):
     hyps = read_hypotheses(log)
     assert sorted(hyps) == list(range(TEST_SENTENCES))
     assert not any("@@" in h for h in hyps.values())
-    refs = read_lines(os.path.join(trained["raw"], "test.ref.de"))
+    refs = list(read_lines(os.path.join(trained["raw"], "test.ref.de")))
     expected = sacrebleu.corpus_bleu([hyps[i] for i in range(TEST_SENTENCES)], [refs]).score
     scored = run_cli("moa-score", log, os.path.join(trained["raw"], "test.ref.de"), "--lang", "de")
     assert scored.returncode == 0, scored.stderr

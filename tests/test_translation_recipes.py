@@ -126,7 +126,8 @@ def test_train_then_evaluate_averages_translates_everything_and_reports_both_ble
 
     import sacrebleu
 
-    from moa.scoring import read_hypotheses, read_lines
+    from moa.data.parallel import read_lines
+    from moa.scoring import read_hypotheses
 
     _gz_mirror(tmp_path / "mirror", 60)
     out = tmp_path / "m"
@@ -145,7 +146,7 @@ def test_train_then_evaluate_averages_translates_everything_and_reports_both_ble
                  "--", "--max-len-b", "12")  # an untrained model would otherwise write 200 tokens a sentence
     assert ev.returncode == 0, ev.stdout[-2000:] + ev.stderr[-3000:]
     assert (ckpt / "averaged-last2.pt").exists() and "60 of 60 test sentences translated" in ev.stdout
-    refs = read_lines(str(ref))
+    refs = list(read_lines(str(ref)))
     hyps = read_hypotheses(str(ckpt / "generate-test.log"))
     report = json.loads((ckpt / "bleu-test.json").read_text())
     assert report["sacrebleu"] == pytest.approx(sacrebleu.corpus_bleu([hyps[i] for i in range(60)], [refs]).score)

@@ -96,10 +96,11 @@ def build_mirror(folder, pair):
     return pairs
 
 
-def prepare(pair, out, mirror, check=True):
+def prepare(pair, out, mirror, check=True, test_md5="none"):
     script = os.path.join(SCRIPTS, f"prepare-wmt14en2{pair.split('-')[1]}.sh")
+    md5 = ["--test-md5", test_md5] if test_md5 else []
     proc = subprocess.run(["bash", script, "--out", str(out), "--mirror", str(mirror), "--vocab-size", "600",
-                           "--test-md5", "none", "--workers", "2"], capture_output=True, text=True)
+                           "--workers", "2", *md5], capture_output=True, text=True)
     if check and proc.returncode != 0:
         pytest.fail(f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -222,3 +223,13 @@ def test_mismatched_parallel_corpus_is_refused_with_both_counts(tmp_path):
             "has 3 lines, training/news-commentary-v9.de-en.de has 2") in proc.stderr
     assert not (tmp_path / "out" / "data-bin").exists()
     shutil.rmtree(tmp_path / "out")
+
+
+def test_test_archive_is_checked_against_sacrebleus_md5(tmp_path):
+    from sacrebleu.dataset import DATASETS
+
+    build_mirror(tmp_path / "mirror", "en-de")  # our cut test-full.tgz is not the real one
+    proc = prepare("en-de", tmp_path / "out", tmp_path / "mirror", check=False, test_md5=None)
+    assert proc.returncode != 0
+    assert f"expected {DATASETS['wmt14/full'].md5[0]} (corrupt or wrong file)" in proc.stderr
+    assert not (tmp_path / "out" / "download" / "test-full.tgz").exists()

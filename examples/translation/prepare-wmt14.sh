@@ -75,7 +75,7 @@ code=$tgt$src   # deen / fren, as in newstest2014's file names
 test_src_member="test-full/newstest2014-$code-src.$src.sgm"
 test_ref_member="test-full/newstest2014-$code-ref.$tgt.sgm"
 if [ -z "$test_md5" ]; then  # sacreBLEU downloads the same archive and knows its checksum
-    test_md5=$(python -c "from sacrebleu.dataset import DATASETS; print(DATASETS['wmt14/full'].md5[0])")
+    test_md5=$(python3 -c "from sacrebleu.dataset import DATASETS; print(DATASETS['wmt14/full'].md5[0])")
 fi
 out=${out:-wmt14-$pair}
 mkdir -p "$out"/{download,orig,text,spm}

@@ -17,7 +17,8 @@ import torch
 
 from moa.cli import USER_DIR, cli
 from moa.data.number_phrases import generate_splits
-from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses, read_lines
+from moa.data.parallel import read_lines
+from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses
 
 SPLITS = ("train", "valid", "test")
 
@@ -92,7 +93,7 @@ def main(argv=None):
          "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "subword_nmt",
          "--num-workers", "0"], generate_log)
 
-    refs = read_lines(os.path.join(raw, "test.ref.de"))
+    refs = list(read_lines(os.path.join(raw, "test.ref.de")))
     hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
     report = bleu_report(hyps, refs, "de")
     print(f"[4/4] sacreBLEU on {len(hyps)} test sentences ({time.time() - started:.0f} s in all)")

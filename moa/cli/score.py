@@ -13,7 +13,8 @@ import json
 import os
 import sys
 
-from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses, read_lines
+from moa.data.parallel import read_lines
+from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses
 
 
 def main(argv=None) -> int:
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
     for path in (args.generate_log, args.references):
         if not os.path.isfile(path):
             parser.error(f"{path} does not exist")
-    references = read_lines(args.references)
+    references = list(read_lines(args.references))
     try:
         hypotheses = ordered_hypotheses(read_hypotheses(args.generate_log), len(references))
     except ValueError as e:
