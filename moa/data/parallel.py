@@ -113,18 +113,22 @@ def filter_pairs(source_in: str, target_in: str, source_out: str, target_out: st
     """Keep pairs whose sides both have ``min_len..max_len`` tokens (whitespace-separated subword
     pieces) and whose longer side is at most ``ratio`` times the shorter, as Moses'
     clean-corpus-n.perl does. Returns ``(kept, total)``; both outputs are written atomically."""
-    total = count_lines(source_in)
-    if count_lines(target_in) != total:
+    total, target_total = count_lines(source_in), count_lines(target_in)
+    if target_total != total:
         raise CorpusError(f"mismatched parallel corpora: {source_in} has {total} lines, "
-                          f"{target_in} has {count_lines(target_in)}")
-    kept = []
-    for s, t in zip(read_lines(source_in), read_lines(target_in)):
-        ns, nt = len(s.split()), len(t.split())
-        if min_len <= ns <= max_len and min_len <= nt <= max_len and max(ns, nt) <= ratio * min(ns, nt):
-            kept.append((s, t))
-    write_lines_atomically(source_out, (s for s, _ in kept))
-    write_lines_atomically(target_out, (t for _, t in kept))
-    return len(kept), total
+                          f"{target_in} has {target_total}")
+    kept = 0
+    with open(source_out + ".tmp", "w", encoding="utf-8") as s_out, \
+            open(target_out + ".tmp", "w", encoding="utf-8") as t_out:
+        for s, t in zip(read_lines(source_in), read_lines(target_in)):  # streamed: En-Fr has ~36M pairs
+            ns, nt = len(s.split()), len(t.split())
+            if min_len <= ns <= max_len and min_len <= nt <= max_len and max(ns, nt) <= ratio * min(ns, nt):
+                s_out.write(s + "\n")
+                t_out.write(t + "\n")
+                kept += 1
+    os.replace(source_out + ".tmp", source_out)
+    os.replace(target_out + ".tmp", target_out)
+    return kept, total
 
 
 def unpack(archive: str, members: Sequence[str], dest_dir: str) -> List[str]:
