@@ -14,6 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from authors_style_moa import AuthorsStyleMoA  # noqa: E402
+from translation_multi30k import MODELS  # noqa: E402
+
+MODEL_LABELS = {key: label for key, (label, _) in MODELS.items()}
 
 
 def test_authors_style_baseline_matches_moa_with_raw_gates():
@@ -47,19 +50,29 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     from moa.models.build import build_translation_model
 
     out = tmp_path / "result"
+    # a checkpoint left by an earlier run must not be resumed (fairseq would fail on this one)
+    stale = tmp_path / "work" / "en-de" / "MoA-4K8E64D-moa_small" / "checkpoint_last.pt"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"left by an earlier run")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--smoke",
                            "--pairs", "en-de", "--workdir", str(tmp_path / "work"), "--out", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "result.json").read_text())
-    moa_row, transformer_row = report["rows"]
+    moa_row, moa_self_row, transformer_row = report["rows"]
+    assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in ("moa", "moa-self", "transformer")]
     assert report["budget"] == "equal updates, 20 of up to 4096 tokens per model"
     dictionary = Dictionary.load(str(tmp_path / "work" / "multi30k-en-de" / "data-bin" / "dict.en.txt"))
-    moa_model = build_translation_model("moa_small", dictionary, ["--share-all-embeddings"])
-    assert moa_row["parameters"] == sum(p.numel() for p in moa_model.parameters())
-    for row in (moa_row, transformer_row):
+    for row, extra in ((moa_row, []), (moa_self_row, ["--moa-attention-types", "encoder-self,decoder-self"])):
+        model = build_translation_model("moa_small", dictionary, ["--share-all-embeddings", *extra])
+        assert row["parameters"] == sum(p.numel() for p in model.parameters())
+    for row in report["rows"]:
         assert row["updates"] == 20 and row["translated"] == row["test_sentences"] == 100
         assert 0 <= row["sacrebleu"] <= 100 and row["train_words_per_s"] > 0
-    # one shared 64-wide key/value head instead of four: fewer MACs per token, despite the router
-    assert moa_row["macs_per_target_token"] < transformer_row["macs_per_target_token"]
-    assert "| en-de | MoA 4K8E64D (moa_small) |" in (tmp_path / "result.md").read_text()
+    # one shared 64-wide key/value head instead of four: fewer MACs per token, despite the router;
+    # the hybrid keeps multi-head cross-attention, so it lies between the two
+    assert (moa_row["macs_per_target_token"] < moa_self_row["macs_per_target_token"]
+            < transformer_row["macs_per_target_token"])
+    table = (tmp_path / "result.md").read_text()
+    assert "| en-de | MoA 4K8E64D (moa_small) |" in table
+    assert f"| en-de | {MODEL_LABELS['moa-self']} | {moa_self_row['sacrebleu'] - transformer_row['sacrebleu']:+.2f} |" in table
