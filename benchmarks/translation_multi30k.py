@@ -65,7 +65,7 @@ TRAINING = ["--task", "translation", "--share-all-embeddings", "--label-smoothin
             "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
             "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "400",
             "--dropout", "0.3", "--attention-dropout", "0.1", "--weight-decay", "0.0001",
-            "--max-tokens", "4096", "--cpu", "--num-workers", "0", "--seed", "1",
+            "--max-tokens", "4096", "--cpu", "--num-workers", "0",
             "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "50"]
 
 
@@ -184,6 +184,7 @@ def main(argv=None):
     budget.add_argument("--updates", type=int, help="equal updates per model instead (--smoke: 20)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
                         help="which models to train (default: all three)")
+    parser.add_argument("--seed", type=int, default=1, help="fairseq's --seed for every model (default 1)")
     parser.add_argument("--smoke", action="store_true", help="first 3000/200/100 lines, 2,000 pieces, 20 updates")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "translation-multi30k"),
@@ -199,6 +200,8 @@ def main(argv=None):
     else:
         updates = args.updates or 20
         budget, budget_text = ["--max-update", str(updates)], f"equal updates, {updates} of up to 4096 tokens per model"
+    budget += ["--seed", str(args.seed)]
+    budget_text += f", seed {args.seed}"
     mirror = make_mirror(args.workdir, args.smoke)
     rows = []
     for pair in args.pairs:

@@ -61,7 +61,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     report = json.loads((tmp_path / "result.json").read_text())
     moa_row, moa_self_row, transformer_row = report["rows"]
     assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in ("moa", "moa-self", "transformer")]
-    assert report["budget"] == "equal updates, 20 of up to 4096 tokens per model"
+    assert report["budget"] == "equal updates, 20 of up to 4096 tokens per model, seed 1"
     dictionary = Dictionary.load(str(tmp_path / "work" / "multi30k-en-de" / "data-bin" / "dict.en.txt"))
     for row, extra in ((moa_row, []), (moa_self_row, ["--moa-attention-types", "encoder-self,decoder-self"])):
         model = build_translation_model("moa_small", dictionary, ["--share-all-embeddings", *extra])
