@@ -51,7 +51,7 @@ def main(argv=None) -> int:
             kept, total = filter_pairs(args.source_in, args.target_in, args.source_out, args.target_out,
                                        args.min_len, args.max_len, args.ratio)
             print(f"kept {kept} of {total} pairs ({total - kept} removed by length or ratio)", file=sys.stderr)
-    except CorpusError as e:
+    except (CorpusError, OSError) as e:
         print(f"moa-corpus: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -11,7 +11,7 @@ import re
 from multiprocessing import Pool
 from typing import Iterator, List, Sequence, Tuple
 
-from moa.data.subword import write_lines_atomically
+from moa.data.subword import atomic_text_outputs, write_lines_atomically
 
 _BREAKS = re.compile("[\r\n\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 _SPACES = re.compile(r"\s+")
@@ -118,16 +118,13 @@ def filter_pairs(source_in: str, target_in: str, source_out: str, target_out: st
         raise CorpusError(f"mismatched parallel corpora: {source_in} has {total} lines, "
                           f"{target_in} has {target_total}")
     kept = 0
-    with open(source_out + ".tmp", "w", encoding="utf-8") as s_out, \
-            open(target_out + ".tmp", "w", encoding="utf-8") as t_out:
+    with atomic_text_outputs(source_out, target_out) as (s_out, t_out):
         for s, t in zip(read_lines(source_in), read_lines(target_in)):  # streamed: En-Fr has ~36M pairs
             ns, nt = len(s.split()), len(t.split())
             if min_len <= ns <= max_len and min_len <= nt <= max_len and max(ns, nt) <= ratio * min(ns, nt):
                 s_out.write(s + "\n")
                 t_out.write(t + "\n")
                 kept += 1
-    os.replace(source_out + ".tmp", source_out)
-    os.replace(target_out + ".tmp", target_out)
     return kept, total
 
 

@@ -1,19 +1,38 @@
 """Joint sentencepiece models for the recipes: train on plain text, encode files atomically."""
 
 import os
-from typing import Iterable, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import IO, Iterable, Iterator, List, Sequence
 
 import sentencepiece as spm
+
+
+@contextmanager
+def atomic_text_outputs(*paths: str) -> Iterator[List[IO[str]]]:
+    """Open each of ``paths`` for writing (UTF-8) under a ``.tmp`` name and yield the files.
+
+    When the block finishes, every file is renamed into place; if it raises (a bad path, a full disk,
+    an interrupt), every ``.tmp`` file is removed and an existing output is left as it was."""
+    temps = [path + ".tmp" for path in paths]
+    try:
+        with ExitStack() as stack:
+            yield [stack.enter_context(open(temp, "w", encoding="utf-8")) for temp in temps]
+    except BaseException:
+        for temp in temps:
+            if os.path.exists(temp):
+                os.remove(temp)
+        raise
+    for temp, path in zip(temps, paths):
+        os.replace(temp, path)
 
 
 def write_lines_atomically(path: str, lines: Iterable[str]) -> int:
     """Write ``lines`` to ``path`` through a temporary name; returns how many were written."""
     count = 0
-    with open(path + ".tmp", "w", encoding="utf-8") as out:
+    with atomic_text_outputs(path) as (out,):
         for line in lines:
             out.write(line + "\n")
             count += 1
-    os.replace(path + ".tmp", path)
     return count
 
 
