@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/translation_multi30k.py [--pairs en-de en-fr] [--minutes 11 | --updates N]
     .venv/bin/python benchmarks/translation_multi30k.py --smoke     # a 2-minute version (CI runs this)
+    .venv/bin/python benchmarks/translation_multi30k.py --models moa-self transformer --seeds 2 3
+    .venv/bin/python benchmarks/translation_multi30k.py --combine A.json B.json --out ALL   # tables over both
 
 About 78 minutes on 2 cores with the defaults: 6 models x (11 min training + translation + MAC count).
 
@@ -28,6 +30,12 @@ torch.utils.flop_counter on the first 200 validation pairs, teacher-forced, one 
 time (every matmul: embeddings' output projection, attention, router, experts, FFN);
 training words/s (fairseq's wps: target tokens per second) and wall time; best validation loss;
 sacreBLEU and the paper's tokenised BLEU. Writes benchmarks/results/translation-multi30k.{json,md}.
+
+Seeds: at this budget the Transformer's sacreBLEU moves by about 2 points from one seed to the next,
+so one seed cannot tell a small difference from noise. ``--seeds`` trains every model once per seed
+(fairseq's --seed; the same seed gives every model the same batch order), and the tables then give
+each seed's difference to the Transformer and their mean; ``--combine`` redraws the tables over
+result files from separate runs.
 """
 
 import argparse
@@ -118,16 +126,17 @@ def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200):
     return flops / 2 / tokens
 
 
-def train_and_score(name, model_args, pair, data_dir, work, budget):
+def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
     src, tgt = pair.split("-")
-    save = os.path.join(work, pair, re.sub(r"\W+", "-", name).strip("-"))
+    save = os.path.join(work, pair, f"seed{seed}", re.sub(r"\W+", "-", name).strip("-"))
     # A checkpoint left by an earlier run would be resumed: fairseq would reach the budget at once
     # and the tables would report the old model with a wall time of seconds.
     shutil.rmtree(save, ignore_errors=True)
     os.makedirs(save)
     started = time.time()
     log = run([os.path.join(BIN, "fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
-               *model_args, *SHAPE, *TRAINING, *budget, "--save-dir", save], os.path.join(save, "train.log"))
+               *model_args, *SHAPE, *TRAINING, *budget, "--seed", str(seed), "--save-dir", save],
+              os.path.join(save, "train.log"))
     train_wall = time.time() - started
     wps = [float(x) for line in log.splitlines() if "| train |" in line for x in re.findall(r"\| wps ([\d.]+)", line)]
     updates = [int(x) for x in re.findall(r"\| num_updates (\d+)", log)]
@@ -146,7 +155,7 @@ def train_and_score(name, model_args, pair, data_dir, work, budget):
     hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
     report = bleu_report(hyps, refs, tgt)
     translated = int(re.search(r"Translated ([\d,]+) sentences", gen).group(1).replace(",", ""))
-    return {"pair": pair, "model": name, "parameters": params,
+    return {"pair": pair, "model": name, "seed": seed, "parameters": params,
             "macs_per_target_token": macs_per_target_token(checkpoint, data_dir, src, tgt),
             "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
             "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
@@ -158,22 +167,48 @@ def train_and_score(name, model_args, pair, data_dir, work, budget):
 def markdown(rows, budget_text):
     lines = [f"Multi30k, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}, budget: {budget_text}.",
              "Test: test_2016_flickr, beam 4, length penalty 0.6, checkpoint_best. MACs: forward, per target token.", "",
-             "| pair | model | parameters | MACs/token | train words/s | train s | updates | valid loss | sacreBLEU | tok. BLEU |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pair | seed | model | parameters | MACs/token | train words/s | train s | updates | valid loss | sacreBLEU | tok. BLEU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['pair']} | {r['model']} | {r['parameters']:,} | {r['macs_per_target_token'] / 1e6:.2f}M | "
+        lines.append(f"| {r['pair']} | {r['seed']} | {r['model']} | {r['parameters']:,} | {r['macs_per_target_token'] / 1e6:.2f}M | "
                      f"{r['train_words_per_s']:.0f} | {r['train_wall_s']:.0f} | {r['updates']} | {r['best_valid_loss']:.3f} | "
                      f"{r['sacrebleu']:.2f} | {r['tokenized_bleu']:.2f} |")
-    lines += ["", "| pair | model | BLEU difference to the Transformer | words/s ratio | MACs ratio | parameters ratio |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| pair | seed | model | BLEU difference to the Transformer | words/s ratio | MACs ratio | parameters ratio |",
+              "|---|---|---|---|---|---|---|"]
+    differences = {}  # (pair, model) -> one sacreBLEU difference per seed
     for t in [r for r in rows if r["model"] == MODELS["transformer"][0]]:
-        for m in [r for r in rows if r["pair"] == t["pair"] and r is not t]:
-            lines.append(f"| {t['pair']} | {m['model']} | {m['sacrebleu'] - t['sacrebleu']:+.2f} | "
+        for m in [r for r in rows if r["pair"] == t["pair"] and r["seed"] == t["seed"] and r is not t]:
+            differences.setdefault((t["pair"], m["model"]), []).append(m["sacrebleu"] - t["sacrebleu"])
+            lines.append(f"| {t['pair']} | {t['seed']} | {m['model']} | {m['sacrebleu'] - t['sacrebleu']:+.2f} | "
                          f"{m['train_words_per_s'] / t['train_words_per_s']:.2f}x | "
                          f"{m['macs_per_target_token'] / t['macs_per_target_token']:.2f}x | "
                          f"{m['parameters'] / t['parameters']:.2f}x |")
+    if any(len(d) > 1 for d in differences.values()):
+        lines += ["", "| pair | model | seeds | mean BLEU difference to the Transformer | per seed |", "|---|---|---|---|---|"]
+        for (pair, model), d in differences.items():
+            lines.append(f"| {pair} | {model} | {len(d)} | {sum(d) / len(d):+.2f} | {', '.join(f'{x:+.2f}' for x in d)} |")
     lines.append(f"\nsacreBLEU signature: {rows[0]['signature']}")
     return "\n".join(lines)
+
+
+def combined(paths):
+    """Rows and budget text of earlier result files, for one set of tables over all of them."""
+    rows, budgets = [], []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        # rows written before --seeds have no seed: --seed N put it in the budget text, else it was 1
+        named = re.search(r", seed (\d+)$", report["budget"])
+        for row in report["rows"]:
+            row.setdefault("seed", int(named.group(1)) if named else 1)
+            rows.append(row)
+        budgets.append(re.sub(r", seeds? [\d, ]+$", "", report["budget"]))
+    if len(set(budgets)) != 1:
+        sys.exit(f"--combine: these runs had different budgets ({'; '.join(sorted(set(budgets)))}); "
+                 "their BLEU is not comparable")
+    seeds = sorted({r["seed"] for r in rows})
+    rows.sort(key=lambda r: (r["pair"], r["seed"]))
+    return rows, f"{budgets[0]}, seeds {', '.join(map(str, seeds))}"
 
 
 def main(argv=None):
@@ -184,12 +219,19 @@ def main(argv=None):
     budget.add_argument("--updates", type=int, help="equal updates per model instead (--smoke: 20)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
                         help="which models to train (default: all three)")
-    parser.add_argument("--seed", type=int, default=1, help="fairseq's --seed for every model (default 1)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1],
+                        help="train every model once per seed (fairseq's --seed; default: 1)")
+    parser.add_argument("--combine", nargs="+", metavar="JSON",
+                        help="train nothing: write the tables over these result files (same budget) to --out")
     parser.add_argument("--smoke", action="store_true", help="first 3000/200/100 lines, 2,000 pieces, 20 updates")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "translation-multi30k"),
                         help="output prefix for .json and .md")
     args = parser.parse_args(argv)
+    if args.combine:
+        rows, budget_text = combined(args.combine)
+        write_report(rows, budget_text, args.out)
+        return
     if not os.path.isdir(MULTI30K):
         sys.exit(f"{MULTI30K} is missing: this benchmark reads the project's shared Multi30k folder")
     if not args.updates and not args.smoke:
@@ -200,24 +242,28 @@ def main(argv=None):
     else:
         updates = args.updates or 20
         budget, budget_text = ["--max-update", str(updates)], f"equal updates, {updates} of up to 4096 tokens per model"
-    budget += ["--seed", str(args.seed)]
-    budget_text += f", seed {args.seed}"
+    budget_text += f", seed{'s' if len(args.seeds) > 1 else ''} {', '.join(map(str, args.seeds))}"
     mirror = make_mirror(args.workdir, args.smoke)
     rows = []
     for pair in args.pairs:
         data_dir = os.path.join(args.workdir, f"multi30k-{pair}")
         run(["bash", os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh"), "--pair", pair,
              "--out", data_dir, "--mirror", mirror, "--vocab-size", "2000" if args.smoke else "8000", "--workers", "2"])
-        for name, model_args in (MODELS[key] for key in args.models):
-            row = train_and_score(name, model_args, pair, data_dir, args.workdir, budget)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for seed in args.seeds:
+            for name, model_args in (MODELS[key] for key in args.models):
+                row = train_and_score(name, model_args, pair, seed, data_dir, args.workdir, budget)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    write_report(rows, budget_text, args.out)
+
+
+def write_report(rows, budget_text, out):
     text = markdown(rows, budget_text)
     print("\n" + text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w", encoding="utf-8") as f:
         json.dump({"budget": budget_text, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w", encoding="utf-8") as f:
+    with open(out + ".md", "w", encoding="utf-8") as f:
         f.write(text + "\n")
 
 

@@ -51,17 +51,21 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
 
     out = tmp_path / "result"
     # a checkpoint left by an earlier run must not be resumed (fairseq would fail on this one)
-    stale = tmp_path / "work" / "en-de" / "MoA-4K8E64D-moa_small" / "checkpoint_last.pt"
+    stale = tmp_path / "work" / "en-de" / "seed1" / "MoA-4K8E64D-moa_small" / "checkpoint_last.pt"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"left by an earlier run")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--smoke",
-                           "--pairs", "en-de", "--workdir", str(tmp_path / "work"), "--out", str(out)],
+                           "--pairs", "en-de", "--seeds", "1", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "result.json").read_text())
-    moa_row, moa_self_row, transformer_row = report["rows"]
-    assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in ("moa", "moa-self", "transformer")]
-    assert report["budget"] == "equal updates, 20 of up to 4096 tokens per model, seed 1"
+    moa_row, moa_self_row, transformer_row = report["rows"][:3]
+    assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in ("moa", "moa-self", "transformer")] * 2
+    assert [r["seed"] for r in report["rows"]] == [1, 1, 1, 2, 2, 2]
+    assert report["budget"] == "equal updates, 20 of up to 4096 tokens per model, seeds 1, 2"
+    # the seed reaches fairseq: another initialisation and batch order, so another validation loss
+    for first, second in zip(report["rows"][:3], report["rows"][3:]):
+        assert first["best_valid_loss"] != second["best_valid_loss"]
     dictionary = Dictionary.load(str(tmp_path / "work" / "multi30k-en-de" / "data-bin" / "dict.en.txt"))
     for row, extra in ((moa_row, []), (moa_self_row, ["--moa-attention-types", "encoder-self,decoder-self"])):
         model = build_translation_model("moa_small", dictionary, ["--share-all-embeddings", *extra])
@@ -75,4 +79,18 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
             < transformer_row["macs_per_target_token"])
     table = (tmp_path / "result.md").read_text()
     assert "| en-de | MoA 4K8E64D (moa_small) |" in table
-    assert f"| en-de | {MODEL_LABELS['moa-self']} | {moa_self_row['sacrebleu'] - transformer_row['sacrebleu']:+.2f} |" in table
+    assert f"| en-de | 1 | {MODEL_LABELS['moa-self']} | {moa_self_row['sacrebleu'] - transformer_row['sacrebleu']:+.2f} |" in table
+    rows = report["rows"]
+    differences = [rows[i + 1]["sacrebleu"] - rows[i + 2]["sacrebleu"] for i in (0, 3)]
+    mean = f"| en-de | {MODEL_LABELS['moa-self']} | 2 | {sum(differences) / 2:+.2f} | {differences[0]:+.2f}, {differences[1]:+.2f} |"
+    assert mean in table
+    # --combine redraws the same tables from result files, here one file per seed
+    for seed in (1, 2):
+        part = dict(report, budget=f"equal updates, 20 of up to 4096 tokens per model, seed {seed}",
+                    rows=[{k: v for k, v in r.items() if k != "seed"} for r in rows if r["seed"] == seed])
+        (tmp_path / f"seed{seed}.json").write_text(json.dumps(part))
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--combine",
+                    str(tmp_path / "seed1.json"), str(tmp_path / "seed2.json"), "--out", str(tmp_path / "both")],
+                   check=True, capture_output=True)
+    assert json.loads((tmp_path / "both.json").read_text()) == report
+    assert mean in (tmp_path / "both.md").read_text()
