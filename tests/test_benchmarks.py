@@ -94,3 +94,18 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
                    check=True, capture_output=True)
     assert json.loads((tmp_path / "both.json").read_text()) == report
     assert mean in (tmp_path / "both.md").read_text()
+
+
+def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path):
+    def report(budget):
+        return {"budget": budget, "rows": [{"pair": "en-de", "model": MODEL_LABELS["transformer"], "sacrebleu": 20.0}]}
+
+    (tmp_path / "a.json").write_text(json.dumps(report("equal training time, 11 min per model, seed 1")))
+    (tmp_path / "b.json").write_text(json.dumps(report(
+        "equal training time, 11 min per model, batches of up to 2048 tokens, 200 warmup updates, seed 2")))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--combine",
+                           str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "both")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "different budgets" in proc.stderr and "batches of up to 2048 tokens, 200 warmup updates" in proc.stderr
+    assert not (tmp_path / "both.json").exists()
