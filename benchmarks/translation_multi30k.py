@@ -1,7 +1,7 @@
 """Translation on real data, CPU: a small MoA model against a same-shape Transformer on Multi30k.
 
     .venv/bin/python benchmarks/translation_multi30k.py [--pairs en-de en-fr] [--minutes 11 | --updates N]
-    .venv/bin/python benchmarks/translation_multi30k.py --smoke     # a 2-minute version (CI runs this)
+    .venv/bin/python benchmarks/translation_multi30k.py --smoke     # a 3-minute version (CI runs this)
     .venv/bin/python benchmarks/translation_multi30k.py --models moa-self transformer --seeds 2 3
     .venv/bin/python benchmarks/translation_multi30k.py --combine A.json B.json --out ALL   # tables over both
 
