@@ -62,7 +62,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     moa_row, moa_self_row, transformer_row = report["rows"][:3]
     assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in ("moa", "moa-self", "transformer")] * 2
     assert [r["seed"] for r in report["rows"]] == [1, 1, 1, 2, 2, 2]
-    assert report["budget"] == "equal updates, 20 of up to 4096 tokens per model, seeds 1, 2"
+    assert report["budget"] == "equal updates, 20 per model, batches of up to 2048 tokens, 200 warmup updates, seeds 1, 2"
     # the seed reaches fairseq: another initialisation and batch order, so another validation loss
     for first, second in zip(report["rows"][:3], report["rows"][3:]):
         assert first["best_valid_loss"] != second["best_valid_loss"]
@@ -86,7 +86,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     assert mean in table
     # --combine redraws the same tables from result files, here one file per seed
     for seed in (1, 2):
-        part = dict(report, budget=f"equal updates, 20 of up to 4096 tokens per model, seed {seed}",
+        part = dict(report, budget=f"equal updates, 20 per model, batches of up to 2048 tokens, 200 warmup updates, seed {seed}",
                     rows=[{k: v for k, v in r.items() if k != "seed"} for r in rows if r["seed"] == seed])
         (tmp_path / f"seed{seed}.json").write_text(json.dumps(part))
     subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--combine",
