@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/translation_multi30k.py --smoke     # a 3-minute version (CI runs this)
     .venv/bin/python benchmarks/translation_multi30k.py --models moa-self transformer --seeds 2 3
     .venv/bin/python benchmarks/translation_multi30k.py --combine A.json B.json --out ALL   # tables over both
+    .venv/bin/python benchmarks/translation_multi30k.py --moa-config 4K4E128D   # other MoA experts
 
 About 78 minutes on 2 cores with the defaults: 6 models x (11 min training + translation + MAC count).
 
@@ -25,6 +26,9 @@ The models (--models):
   through a single shared 64-wide value head the decoder reads the source more slowly early in
   training, and this row measures how much of the gap that explains;
 * ``transformer``: fairseq's ``transformer`` with 4 heads of 64.
+
+``--moa-config kKeEdD`` gives both MoA models other experts: 4K4E128D has the proportions of the
+paper's MoA Base against Transformer base (k = the Transformer's head count, D = twice its head width).
 
 All translate every test_2016_flickr sentence (beam 4, length penalty 0.6) and
 are scored with sacreBLEU against the raw references (see moa.scoring).
@@ -67,12 +71,25 @@ SHAPE = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim"
          "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
          "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
 MOA = ["--arch", "moa_small", "--criterion", "moa_label_smoothed_cross_entropy", "--moa-alpha", "0.01", "--moa-beta", "0.001"]
-MODELS = {  # --models key: (label in the tables, fairseq-train arguments)
-    "moa": ("MoA 4K8E64D (moa_small)", MOA),
-    "moa-self": ("MoA 4K8E64D self-attn, MHA cross (moa_small)",
-                 MOA + ["--moa-attention-types", "encoder-self,decoder-self"]),
-    "transformer": ("Transformer 4x64 (transformer)", ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]),
-}
+DEFAULT_MOA = "4K8E64D"
+
+
+def models(moa_config=DEFAULT_MOA):
+    """--models key -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD)."""
+    shape = re.fullmatch(r"(\d+)K(\d+)E(\d+)D", moa_config)
+    if not shape or int(shape.group(1)) > int(shape.group(2)):
+        raise ValueError(f"--moa-config {moa_config!r}: expected kKeEdD with k <= e, such as 4K8E64D")
+    k, e, d = shape.groups()
+    moa = MOA + ([] if moa_config == DEFAULT_MOA else ["--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d])
+    return {
+        "moa": (f"MoA {moa_config} (moa_small)", moa),
+        "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)",
+                     moa + ["--moa-attention-types", "encoder-self,decoder-self"]),
+        "transformer": ("Transformer 4x64 (transformer)", ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]),
+    }
+
+
+MODELS = models()
 TRAINING = ["--task", "translation", "--share-all-embeddings", "--label-smoothing", "0.1",
             "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
             "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt",
@@ -231,11 +248,18 @@ def main(argv=None):
     parser.add_argument("--warmup-updates", type=int, default=200,
                         help="inverse_sqrt warmup to lr 1e-3 (default 200); both are named in the budget text, "
                              "so --combine keeps runs with other settings apart")
+    parser.add_argument("--moa-config", default=DEFAULT_MOA, metavar="kKeEdD",
+                        help="MoA experts of the moa and moa-self models (default 4K8E64D, moa_small's); "
+                             "4K4E128D has the paper's Base proportions: k = the Transformer's heads, D = twice their width")
     parser.add_argument("--smoke", action="store_true", help="first 3000/200/100 lines, 2,000 pieces, 20 updates")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "translation-multi30k"),
                         help="output prefix for .json and .md")
     args = parser.parse_args(argv)
+    try:
+        chosen = models(args.moa_config)
+    except ValueError as error:
+        parser.error(str(error))
     if args.combine:
         rows, budget_text = combined(args.combine)
         write_report(rows, budget_text, args.out)
@@ -261,7 +285,7 @@ def main(argv=None):
         run(["bash", os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh"), "--pair", pair,
              "--out", data_dir, "--mirror", mirror, "--vocab-size", "2000" if args.smoke else "8000", "--workers", "2"])
         for seed in args.seeds:
-            for name, model_args in (MODELS[key] for key in args.models):
+            for name, model_args in (chosen[key] for key in args.models):
                 row = train_and_score(name, model_args, pair, seed, data_dir, args.workdir, budget)
                 rows.append(row)
                 print(json.dumps(row), flush=True)

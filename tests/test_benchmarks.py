@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from authors_style_moa import AuthorsStyleMoA  # noqa: E402
-from translation_multi30k import MODELS  # noqa: E402
+from translation_multi30k import MODELS, models  # noqa: E402
 
 MODEL_LABELS = {key: label for key, (label, _) in MODELS.items()}
 
@@ -94,6 +94,24 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
                    check=True, capture_output=True)
     assert json.loads((tmp_path / "both.json").read_text()) == report
     assert mean in (tmp_path / "both.md").read_text()
+
+
+def test_multi30k_moa_config_reaches_the_moa_models():
+    from moa.attention import MixtureOfAttentionHeads
+    from moa.models.build import build_translation_model, dictionary_of_size
+
+    chosen = models("4K4E128D")
+    assert chosen["transformer"] == MODELS["transformer"]
+    assert chosen["moa-self"][0] == "MoA 4K4E128D self-attn, MHA cross (moa_small)"
+    for key, moa_layers in (("moa", 3 * 3), ("moa-self", 3 * 2)):
+        label, train_args = chosen[key]
+        model = build_translation_model("moa_small", dictionary_of_size(64), train_args[train_args.index("--moa-beta") + 2:])
+        moa = [m for m in model.modules() if isinstance(m, MixtureOfAttentionHeads)]
+        assert len(moa) == moa_layers
+        assert {(m.top_k, m.num_experts, m.head_dim) for m in moa} == {(4, 4, 128)}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"),
+                           "--moa-config", "8K4E64D", "--combine", "unused.json"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--moa-config '8K4E64D': expected kKeEdD with k <= e" in proc.stderr
 
 
 def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path):
