@@ -97,14 +97,13 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
 
 
 def test_multi30k_moa_config_reaches_the_moa_models():
-    from moa.attention import MixtureOfAttentionHeads
     from moa.models.build import build_translation_model, dictionary_of_size
 
     chosen = models("4K4E128D")
     assert chosen["transformer"] == MODELS["transformer"]
     assert chosen["moa-self"][0] == "MoA 4K4E128D self-attn, MHA cross (moa_small)"
     for key, moa_layers in (("moa", 3 * 3), ("moa-self", 3 * 2)):
-        label, train_args = chosen[key]
+        train_args = chosen[key][1]
         model = build_translation_model("moa_small", dictionary_of_size(64), train_args[train_args.index("--moa-beta") + 2:])
         moa = [m for m in model.modules() if isinstance(m, MixtureOfAttentionHeads)]
         assert len(moa) == moa_layers
