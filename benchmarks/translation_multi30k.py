@@ -80,7 +80,7 @@ def models(moa_config=DEFAULT_MOA):
     if not shape or int(shape.group(1)) > int(shape.group(2)):
         raise ValueError(f"--moa-config {moa_config!r}: expected kKeEdD with k <= e, such as 4K8E64D")
     k, e, d = shape.groups()
-    moa = MOA + ([] if moa_config == DEFAULT_MOA else ["--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d])
+    moa = MOA + ["--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d]
     return {
         "moa": (f"MoA {moa_config} (moa_small)", moa),
         "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)",
