@@ -4,7 +4,7 @@ setup(
     name="moa-fairseq",
     version="0.1.0",
     description="Mixture-of-Attention-heads (MoA) models for fairseq",
-    packages=find_packages(include=["moa", "moa.*"]),
+    packages=find_packages(include=["moa", "moa.*", "moa_tools", "moa_tools.*"]),
     python_requires=">=3.9",
     install_requires=[
         "torch>=2.1",
@@ -17,13 +17,11 @@ setup(
     ],
     extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": [
-        "moa-demo=moa.cli.demo:main",
-        "moa-fetch=moa.cli.fetch:main",
-        "moa-wikitext-encode=moa.cli.wikitext_encode:main",
-        "moa-eval-ppl=moa.cli.eval_ppl:main",
-        "moa-average-checkpoints=moa.cli.average_checkpoints:main",
-        "moa-spm=moa.cli.spm:main",
-        "moa-score=moa.cli.score:main",
-        "moa-corpus=moa.cli.corpus:main",
+        "moa-demo=moa_tools.commands.demo:main",
+        "moa-fetch=moa_tools.commands.fetch:main",
+        "moa-corpus=moa_tools.commands.corpus:main",
+        "moa-score=moa_tools.commands.score:main",
+        "moa-eval-ppl=moa_tools.commands.eval_ppl:main",
+        "moa-average-checkpoints=moa_tools.commands.average_checkpoints:main",
     ]},
 )

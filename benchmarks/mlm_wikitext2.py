@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/mlm_wikitext2.py [--updates 600] [--workdir DIR]
 
-Uses ../shared/data/wikitext-2/wiki.valid.tokens (the only WikiText split kept on
+Uses wikitext-2/wiki.valid.tokens of the shared data folder (the only WikiText split kept on
 this machine): the first 90% of its lines train, the next 5% validate, the last
 5% test. The text goes through examples/mlm/prepare-wikitext-103.sh (offline, via
 --mirror, 8,000 sentencepiece pieces), then both models train with the same
@@ -16,26 +16,18 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 import zipfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE = os.path.join(ROOT, "..", "shared", "data", "wikitext-2", "wiki.valid.tokens")
-BIN = os.path.dirname(sys.executable)
+from common import RESULTS, ROOT, shared_data
+from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
+
+SOURCE = shared_data("wikitext-2", "wiki.valid.tokens")
 SHAPE = ["--encoder-layers", "4", "--encoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
          "--encoder-attention-heads", "4"]
 MODELS = {"MoA 4K8E64D (moa_roberta_small)": ["--arch", "moa_roberta_small", "--criterion", "moa_masked_lm"],
           "Transformer 4x64 (roberta)": ["--arch", "roberta", "--criterion", "masked_lm"]}
-
-
-def run(cmd, **kw):
-    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
-    if proc.returncode != 0:
-        sys.exit(f"{cmd[0]} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return proc.stdout + proc.stderr
 
 
 def prepare(work):
@@ -47,36 +39,38 @@ def prepare(work):
     with zipfile.ZipFile(os.path.join(mirror, "wikitext-103-v1.zip"), "w") as z:
         for split, part in (("train", lines[:a]), ("valid", lines[a:b]), ("test", lines[b:])):
             z.writestr(f"wikitext-103/wiki.{split}.tokens", "".join(part))
-    run(["bash", os.path.join(ROOT, "examples", "mlm", "prepare-wikitext-103.sh"), "--out", os.path.join(work, "wt2"),
-         "--mirror", mirror, "--sha1", "none", "--vocab-size", "8000", "--workers", "2"])
+    run_logged(["bash", os.path.join(ROOT, "examples", "mlm", "prepare-wikitext-103.sh"), "--out",
+                os.path.join(work, "wt2"), "--mirror", mirror, "--sha1", "none", "--vocab-size", "8000", "--workers", "2"])
     return os.path.join(work, "wt2", "data-bin")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _main(argv):
+    parser = argparse.ArgumentParser(prog="mlm_wikitext2.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--updates", type=int, default=600)
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-mlm"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not os.path.exists(SOURCE):
-        sys.exit(f"{SOURCE} is missing: this benchmark reads the project's shared WikiText-2 file")
+        raise ToolError(f"{SOURCE} is missing: this benchmark reads the shared WikiText-2 file "
+                        "(set MOA_SHARED_DATA to the folder that holds wikitext-2/)")
     data_bin = prepare(args.workdir)
     rows = []
     for name, model_args in MODELS.items():
         save = os.path.join(args.workdir, re.sub(r"\W+", "-", name))
         started = time.time()
-        log = run([os.path.join(BIN, "fairseq-train"), data_bin, "--user-dir", os.path.join(ROOT, "moa"),
-                   "--task", "masked_lm", *model_args, *SHAPE, "--sample-break-mode", "complete",
-                   "--tokens-per-sample", "256", "--batch-size", "16", "--optimizer", "adam",
-                   "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "polynomial_decay",
-                   "--warmup-updates", str(args.updates // 10), "--total-num-update", str(args.updates),
-                   "--max-update", str(args.updates), "--dropout", "0.1", "--attention-dropout", "0.1",
-                   "--save-dir", save, "--no-epoch-checkpoints", "--cpu", "--num-workers", "0", "--seed", "1",
-                   "--log-format", "simple", "--log-interval", "50", "--skip-invalid-size-inputs-valid-test"])
+        log = run_logged([fairseq_command("fairseq-train"), data_bin, "--user-dir", USER_DIR,
+                          "--task", "masked_lm", *model_args, *SHAPE, "--sample-break-mode", "complete",
+                          "--tokens-per-sample", "256", "--batch-size", "16", "--optimizer", "adam",
+                          "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "polynomial_decay",
+                          "--warmup-updates", str(args.updates // 10), "--total-num-update", str(args.updates),
+                          "--max-update", str(args.updates), "--dropout", "0.1", "--attention-dropout", "0.1",
+                          "--save-dir", save, "--no-epoch-checkpoints", "--cpu", "--num-workers", "0", "--seed", "1",
+                          "--log-format", "simple", "--log-interval", "50", "--skip-invalid-size-inputs-valid-test"])
         wall = time.time() - started
         train_lines = [line for line in log.splitlines() if "| train |" in line]
         wps = [float(x) for line in train_lines for x in re.findall(r"\| wps ([\d.]+)", line)]
-        ppl_out = run([os.path.join(BIN, "moa-eval-ppl"), os.path.join(save, "checkpoint_last.pt"), data_bin,
-                       "valid", "test", "--", "--skip-invalid-size-inputs-valid-test"])
+        ppl_out = run_logged([fairseq_command("moa-eval-ppl"), os.path.join(save, "checkpoint_last.pt"), data_bin,
+                              "valid", "test", "--", "--skip-invalid-size-inputs-valid-test"])
         ppl = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+): .*exp\(NLL\) = ([\d.]+)", ppl_out, re.M)}
         params = re.search(r"num\. shared model params: ([\d,]+)", log)
         row = {"model": name, "parameters": int(params.group(1).replace(",", "")) if params else None,
@@ -93,7 +87,7 @@ def main():
                      f"{r['valid_ppl']:.2f} | {r['test_ppl']:.2f} |")
     text = "\n".join(lines)
     print("\n" + text)
-    out = os.path.join(ROOT, "benchmarks", "results", "mlm-wikitext2")
+    out = os.path.join(RESULTS, "mlm-wikitext2")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(rows, f, indent=1)
@@ -101,5 +95,9 @@ def main():
         f.write(text + "\n")
 
 
+def main(argv=None) -> int:
+    return run_tool("mlm_wikitext2.py", _main, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

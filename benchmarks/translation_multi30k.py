@@ -31,7 +31,7 @@ The models (--models):
 paper's MoA Base against Transformer base (k = the Transformer's head count, D = twice its head width).
 
 All translate every test_2016_flickr sentence (beam 4, length penalty 0.6) and
-are scored with sacreBLEU against the raw references (see moa.scoring).
+are scored with sacreBLEU against the raw references (see moa_tools.scoring).
 
 Reported per model: parameters; forward MACs per target token, counted by
 torch.utils.flop_counter on the first 200 validation pairs, teacher-forced, one pair at a
@@ -51,22 +51,19 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import moa  # noqa: E402,F401  (registers the plugin and the checkpoint allow-list)
-from moa.data.parallel import read_lines  # noqa: E402
-from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses  # noqa: E402
+from common import RESULTS, ROOT, shared_data
+import moa  # noqa: F401  (registers the plugin and the checkpoint allow-list)
+from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
+from moa_tools.scoring import bleu_report, ordered_hypotheses, read_hypotheses
+from moa_tools.textio import read_lines
 
-MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
-BIN = os.path.dirname(sys.executable)
-USER_DIR = os.path.join(ROOT, "moa")
+MULTI30K = shared_data("multi30k")
 SHAPE = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "256", "--decoder-embed-dim", "256",
          "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
          "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
@@ -80,11 +77,11 @@ def models(moa_config=DEFAULT_MOA):
     if not shape or int(shape.group(1)) > int(shape.group(2)):
         raise ValueError(f"--moa-config {moa_config!r}: expected kKeEdD with k <= e, such as 4K8E64D")
     k, e, d = shape.groups()
-    moa = MOA + ["--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d]
+    moa_args = MOA + ["--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d]
     return {
-        "moa": (f"MoA {moa_config} (moa_small)", moa),
+        "moa": (f"MoA {moa_config} (moa_small)", moa_args),
         "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)",
-                     moa + ["--moa-attention-types", "encoder-self,decoder-self"]),
+                     moa_args + ["--moa-attention-types", "encoder-self,decoder-self"]),
         "transformer": ("Transformer 4x64 (transformer)", ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]),
     }
 
@@ -96,17 +93,6 @@ TRAINING = ["--task", "translation", "--share-all-embeddings", "--label-smoothin
             "--dropout", "0.3", "--attention-dropout", "0.1", "--weight-decay", "0.0001",
             "--cpu", "--num-workers", "0",
             "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "50"]
-
-
-def run(cmd, log_path=None):
-    env = dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if log_path:
-        with open(log_path, "w", encoding="utf-8") as f:
-            f.write(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        sys.exit(f"{os.path.basename(cmd[0])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return proc.stdout + proc.stderr
 
 
 def make_mirror(work, smoke):
@@ -155,9 +141,9 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
     shutil.rmtree(save, ignore_errors=True)
     os.makedirs(save)
     started = time.time()
-    log = run([os.path.join(BIN, "fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
-               *model_args, *SHAPE, *TRAINING, *budget, "--seed", str(seed), "--save-dir", save],
-              os.path.join(save, "train.log"))
+    log = run_logged([fairseq_command("fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
+                      *model_args, *SHAPE, *TRAINING, *budget, "--seed", str(seed), "--save-dir", save],
+                     os.path.join(save, "train.log"))
     train_wall = time.time() - started
     wps = [float(x) for line in log.splitlines() if "| train |" in line for x in re.findall(r"\| wps ([\d.]+)", line)]
     updates = [int(x) for x in re.findall(r"\| num_updates (\d+)", log)]
@@ -167,10 +153,10 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
     started = time.time()
     checkpoint = os.path.join(save, "checkpoint_best.pt")
     generate_log = os.path.join(save, "generate.log")
-    gen = run([os.path.join(BIN, "fairseq-generate"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
-               "--cpu", "--gen-subset", "test", "--path", checkpoint, "--beam", "4", "--lenpen", "0.6",
-               "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "sentencepiece",
-               "--num-workers", "0"], generate_log)
+    gen = run_logged([fairseq_command("fairseq-generate"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
+                      "--cpu", "--gen-subset", "test", "--path", checkpoint, "--beam", "4", "--lenpen", "0.6",
+                      "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "sentencepiece",
+                      "--num-workers", "0"], generate_log)
     generate_wall = time.time() - started
     refs = list(read_lines(os.path.join(data_dir, "raw", f"test_2016_flickr.{tgt}")))
     hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
@@ -225,15 +211,15 @@ def combined(paths):
             rows.append(row)
         budgets.append(re.sub(r", seeds? [\d, ]+$", "", report["budget"]))
     if len(set(budgets)) != 1:
-        sys.exit(f"--combine: these runs had different budgets ({'; '.join(sorted(set(budgets)))}); "
+        raise ToolError(f"--combine: these runs had different budgets ({'; '.join(sorted(set(budgets)))}); "
                  "their BLEU is not comparable")
     seeds = sorted({r["seed"] for r in rows})
     rows.sort(key=lambda r: (r["pair"], r["seed"]))
     return rows, f"{budgets[0]}, seeds {', '.join(map(str, seeds))}"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _main(argv):
+    parser = argparse.ArgumentParser(prog="translation_multi30k.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", nargs="+", default=["en-de", "en-fr"], choices=["en-de", "en-fr"])
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=float, help="equal training wall time per model (default 11)")
@@ -253,7 +239,7 @@ def main(argv=None):
                              "4K4E128D has the paper's Base proportions: k = the Transformer's heads, D = twice their width")
     parser.add_argument("--smoke", action="store_true", help="first 3000/200/100 lines, 2,000 pieces, 20 updates")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "translation-multi30k"),
+    parser.add_argument("--out", default=os.path.join(RESULTS, "translation-multi30k"),
                         help="output prefix for .json and .md")
     args = parser.parse_args(argv)
     try:
@@ -265,7 +251,8 @@ def main(argv=None):
         write_report(rows, budget_text, args.out)
         return
     if not os.path.isdir(MULTI30K):
-        sys.exit(f"{MULTI30K} is missing: this benchmark reads the project's shared Multi30k folder")
+        raise ToolError(f"{MULTI30K} is missing: this benchmark reads the shared Multi30k folder "
+                        "(set MOA_SHARED_DATA to the folder that holds multi30k/)")
     if not args.updates and not args.smoke:
         args.minutes = args.minutes or 11.0
     if args.minutes:
@@ -282,8 +269,9 @@ def main(argv=None):
     rows = []
     for pair in args.pairs:
         data_dir = os.path.join(args.workdir, f"multi30k-{pair}")
-        run(["bash", os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh"), "--pair", pair,
-             "--out", data_dir, "--mirror", mirror, "--vocab-size", "2000" if args.smoke else "8000", "--workers", "2"])
+        run_logged(["bash", os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh"), "--pair", pair,
+                    "--out", data_dir, "--mirror", mirror, "--vocab-size", "2000" if args.smoke else "8000",
+                    "--workers", "2"])
         for seed in args.seeds:
             for name, model_args in (chosen[key] for key in args.models):
                 row = train_and_score(name, model_args, pair, seed, data_dir, args.workdir, budget)
@@ -302,5 +290,9 @@ def write_report(rows, budget_text, out):
         f.write(text + "\n")
 
 
+def main(argv=None) -> int:
+    return run_tool("translation_multi30k.py", _main, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

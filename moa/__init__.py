@@ -1,9 +1,9 @@
-"""moa: Mixture-of-Attention-heads models for fairseq.
+"""moa: Mixture-of-Attention-heads models for fairseq (``fairseq-train --user-dir moa``).
 
-Use it as a fairseq plugin: ``fairseq-train --user-dir moa --arch moa_base ...``.
-Importing the package registers the ``moa_transformer`` model and its archs,
-the ``moa_label_smoothed_cross_entropy`` criterion, and the allow-list that
-torch's safe checkpoint loader needs for fairseq checkpoints.
+Importing the package registers the ``moa_transformer`` and ``moa_roberta`` models and their
+archs, the ``moa_label_smoothed_cross_entropy`` and ``moa_masked_lm`` criterions, and the
+allow-list that torch's safe checkpoint loader needs for fairseq checkpoints. The data
+preparation and scoring tools are the separate ``moa_tools`` package.
 """
 
 from moa.checkpoint_safety import allow_fairseq_checkpoint_globals

@@ -49,10 +49,7 @@ class TopKRouter(nn.Module):
     def __init__(self, embed_dim: int, num_experts: int, top_k: int, gate_weights: str = "renormalized"):
         super().__init__()
         if not 1 <= top_k <= num_experts:
-            raise ValueError(
-                f"MoA needs 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}; "
-                "set --moa-top-k to at most --moa-experts"
-            )
+            raise ValueError(f"top_k must be between 1 and num_experts, got top_k={top_k}, num_experts={num_experts}")
         if gate_weights not in GATE_WEIGHTS:
             raise ValueError(f"gate_weights must be one of {GATE_WEIGHTS}, got {gate_weights!r}")
         self.num_experts = num_experts

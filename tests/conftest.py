@@ -1,10 +1,50 @@
-"""Shared helpers: building MoA models directly (no data on disk) for module-level tests."""
+"""What the tests share: building MoA models in-process, running the real CLIs, the shared data.
+
+The default run (``pytest tests``) is the fast in-process set; tests marked ``slow`` (subprocess
+CLIs, recipes, benchmark smoke runs) run with ``pytest -m slow tests``.
+"""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-import moa  # noqa: F401  (registers the plugin)
-from moa.models.build import build_translation_model, dictionary_of_size
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import moa  # noqa: E402,F401  (registers the plugin)
+from common import shared_data  # noqa: E402
+from moa.models.build import build_translation_model, dictionary_of_size  # noqa: E402
+from moa_tools import fairseq_command  # noqa: E402
+
+
+def needs_shared(*parts):
+    """Skip unless ``parts`` exists under the shared data folder; returns (mark, path)."""
+    path = shared_data(*parts)
+    return pytest.mark.skipif(not os.path.exists(path), reason=f"{path} is not on this machine"), path
+
+
+def run_cli(*args, check=True, input=None, cwd=None):
+    """Run a console script installed beside this Python (or ``bash SCRIPT``) with the venv on PATH."""
+    command = [fairseq_command(args[0]), *args[1:]] if args[0] != "bash" else list(args)
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    proc = subprocess.run(command, capture_output=True, text=True, input=input, cwd=cwd, env=env)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def sacrebleu_sgm_text(sgm_file, tmp_path):
+    """The plain text sacreBLEU itself makes of a WMT .sgm file (its own converter, no download)."""
+    from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
+
+    from moa_tools.textio import read_lines
+
+    out = str(tmp_path / (os.path.basename(sgm_file) + ".sacrebleu.txt"))
+    FakeSGMLDataset._convert_format(FakeSGMLDataset.__new__(FakeSGMLDataset), sgm_file, out)
+    return list(read_lines(out))
 
 
 def build_model(arch: str, dict_size: int = 64, extra=()):

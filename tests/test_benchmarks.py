@@ -7,14 +7,16 @@ import sys
 
 import pytest
 import torch
+from fairseq.data import Dictionary
 
+import translation_multi30k
+from authors_style_moa import AuthorsStyleMoA
+from conftest import ROOT, needs_shared
 from moa.attention import MixtureOfAttentionHeads
+from moa.models.build import build_translation_model, dictionary_of_size
+from translation_multi30k import MODELS, models
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-from authors_style_moa import AuthorsStyleMoA  # noqa: E402
-from translation_multi30k import MODELS, models  # noqa: E402
+needs_multi30k, _ = needs_shared("multi30k")
 
 MODEL_LABELS = {key: label for key, (label, _) in MODELS.items()}
 
@@ -26,6 +28,7 @@ def test_authors_style_baseline_matches_moa_with_raw_gates():
     torch.testing.assert_close(AuthorsStyleMoA(m)(x), m(x, x, x, need_weights=False)[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_quick_benchmark_reports_every_module(tmp_path):
     out = tmp_path / "quick.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "moa_speed.py"), "--quick",
@@ -40,15 +43,9 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     assert "| 8K8E128D | 1024 | 64 |" in (tmp_path / "quick.md").read_text()
 
 
-MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
-
-
-@pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k is not on this machine")
+@pytest.mark.slow
+@needs_multi30k
 def test_multi30k_translation_benchmark_smoke(tmp_path):
-    from fairseq.data import Dictionary
-
-    from moa.models.build import build_translation_model
-
     out = tmp_path / "result"
     # a checkpoint left by an earlier run must not be resumed (fairseq would fail on this one)
     stale = tmp_path / "work" / "en-de" / "seed1" / "MoA-4K8E64D-moa_small" / "checkpoint_last.pt"
@@ -96,9 +93,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     assert mean in (tmp_path / "both.md").read_text()
 
 
-def test_multi30k_moa_config_reaches_the_moa_models():
-    from moa.models.build import build_translation_model, dictionary_of_size
-
+def test_multi30k_moa_config_reaches_the_moa_models(capsys):
     chosen = models("4K4E128D")
     assert chosen["transformer"] == MODELS["transformer"]
     assert chosen["moa-self"][0] == "MoA 4K4E128D self-attn, MHA cross (moa_small)"
@@ -108,21 +103,21 @@ def test_multi30k_moa_config_reaches_the_moa_models():
         moa = [m for m in model.modules() if isinstance(m, MixtureOfAttentionHeads)]
         assert len(moa) == moa_layers
         assert {(m.top_k, m.num_experts, m.head_dim) for m in moa} == {(4, 4, 128)}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"),
-                           "--moa-config", "8K4E64D", "--combine", "unused.json"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "--moa-config '8K4E64D': expected kKeEdD with k <= e" in proc.stderr
+    with pytest.raises(SystemExit) as usage:
+        translation_multi30k.main(["--moa-config", "8K4E64D", "--combine", "unused.json"])
+    assert usage.value.code == 2 and "--moa-config '8K4E64D': expected kKeEdD with k <= e" in capsys.readouterr().err
 
 
-def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path):
+def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path, capsys):
     def report(budget):
         return {"budget": budget, "rows": [{"pair": "en-de", "model": MODEL_LABELS["transformer"], "sacrebleu": 20.0}]}
 
     (tmp_path / "a.json").write_text(json.dumps(report("equal training time, 11 min per model, seed 1")))
     (tmp_path / "b.json").write_text(json.dumps(report(
         "equal training time, 11 min per model, batches of up to 2048 tokens, 200 warmup updates, seed 2")))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--combine",
-                           str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "both")],
-                          capture_output=True, text=True)
-    assert proc.returncode != 0
-    assert "different budgets" in proc.stderr and "batches of up to 2048 tokens, 200 warmup updates" in proc.stderr
+    code = translation_multi30k.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                                      "--out", str(tmp_path / "both")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("translation_multi30k.py: error: --combine: these runs had different budgets")
+    assert "batches of up to 2048 tokens, 200 warmup updates" in err
     assert not (tmp_path / "both.json").exists()

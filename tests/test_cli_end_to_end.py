@@ -4,18 +4,19 @@ validation, safe checkpoint loading, and the moa-demo main job on a small budget
 import os
 import pickle
 import re
-import subprocess
-import sys
 
 import pytest
 import sacrebleu
 import torch
 
+from conftest import run_cli
 from moa.checkpoint_safety import fairseq_checkpoint_globals
-from moa.cli import USER_DIR, cli
-from moa.cli.demo import write_corpus
-from moa.data.parallel import read_lines
-from moa.scoring import read_hypotheses
+from moa_tools import USER_DIR
+from moa_tools.commands.demo import write_corpus
+from moa_tools.scoring import read_hypotheses
+from moa_tools.textio import read_lines
+
+pytestmark = pytest.mark.slow
 
 TEST_SENTENCES = 37  # not a multiple of 8: fairseq would drop a tail batch without --required-batch-size-multiple 1
 TRAIN = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
@@ -24,13 +25,6 @@ TRAIN = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1"
          "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "2048", "--cpu", "--num-workers", "0",
          "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--seed", "3",
          "--save-interval-updates", "10"]
-
-
-def run_cli(*args, check=True):
-    proc = subprocess.run([cli(args[0]), *args[1:]], capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -127,21 +121,16 @@ def test_resume_continues_from_the_checkpoint(trained):
 
 
 def test_moa_demo_runs_end_to_end(tmp_path):
-    demo = os.path.join(os.path.dirname(sys.executable), "moa-demo")
-    proc = subprocess.run([demo, "--workdir", str(tmp_path / "demo"), "--train-size", "300", "--test-size", "21",
-                           "--max-update", "3", "--train-args", "--encoder-layers 1 --decoder-layers 1"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = run_cli("moa-demo", "--workdir", str(tmp_path / "demo"), "--train-size", "300", "--test-size", "21",
+                   "--max-update", "3", "--train-args", "--encoder-layers 1 --decoder-layers 1")
     assert "sacreBLEU on 21 test sentences" in proc.stdout
     assert re.search(r"^BLEU = \d+\.\d\d  \(nrefs:1\|", proc.stdout, re.M)
 
 
 def test_average_checkpoints_then_generate(trained, tmp_path):
     out = str(tmp_path / "averaged.pt")
-    tool = os.path.join(os.path.dirname(sys.executable), "moa-average-checkpoints")
-    proc = subprocess.run([tool, "--inputs", trained["ckpt"], "--num-update-checkpoints", "2",
-                           "--checkpoint-upper-bound", "20", "--output", out], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("moa-average-checkpoints", "--inputs", trained["ckpt"], "--num-update-checkpoints", "2",
+                   "--checkpoint-upper-bound", "20", "--output", out)
     names = [next(n for n in os.listdir(trained["ckpt"]) if re.fullmatch(rf"checkpoint_\d+_{u}\.pt", n))
              for u in (10, 20)]
     assert ", ".join(names) in proc.stdout
@@ -153,17 +142,16 @@ def test_average_checkpoints_then_generate(trained, tmp_path):
     gen = run_cli("fairseq-generate", trained["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset", "test",
                   "--path", out, "--beam", "2", "--batch-size", "8", "--required-batch-size-multiple", "1")
     assert f"Translated {TEST_SENTENCES} sentences" in gen.stdout + gen.stderr
-    too_many = subprocess.run([tool, "--inputs", trained["ckpt"], "--num-update-checkpoints", "9", "--output", out],
-                              capture_output=True, text=True)
+    too_many = run_cli("moa-average-checkpoints", "--inputs", trained["ckpt"], "--num-update-checkpoints", "9",
+                       "--output", out, check=False)
     assert too_many.returncode == 1 and "fewer than the 9 asked for" in too_many.stderr
 
 
 def test_interactive_translates_from_stdin(trained):
     with open(os.path.join(trained["raw"], "test.en"), encoding="utf-8") as f:
         sources = [next(f), next(f)]
-    proc = subprocess.run([cli("fairseq-interactive"), trained["data_bin"], "--user-dir", USER_DIR, "--cpu",
-                           "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--beam", "2",
-                           "--source-lang", "en", "--target-lang", "de", "--post-process", "subword_nmt"],
-                          input="".join(sources), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("fairseq-interactive", trained["data_bin"], "--user-dir", USER_DIR, "--cpu",
+                   "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--beam", "2",
+                   "--source-lang", "en", "--target-lang", "de", "--post-process", "subword_nmt",
+                   input="".join(sources))
     assert len(re.findall(r"^H-\d+\t", proc.stdout, re.M)) == 2

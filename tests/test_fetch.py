@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from moa.cli.fetch import FetchError, fetch, main
+from moa_tools.commands.fetch import main
+from moa_tools.fetch import FetchError, fetch
 
 PAYLOAD = os.urandom(3 * (1 << 20) + 123)
 SHA1 = hashlib.sha1(PAYLOAD).hexdigest()

@@ -3,36 +3,23 @@
 import math
 import os
 import re
-import subprocess
-import sys
 import zipfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moa.cli import USER_DIR, cli
-from moa.data.wikitext import normalise_line
+from conftest import ROOT, needs_shared, run_cli
+from moa_tools import USER_DIR
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WIKITEXT2_VALID = os.path.join(ROOT, "..", "shared", "data", "wikitext-2", "wiki.valid.tokens")
-needs_wikitext = pytest.mark.skipif(not os.path.exists(WIKITEXT2_VALID),
-                                    reason="../shared/data/wikitext-2 is not on this machine")
-
-
-def test_normalise_line_undoes_the_tokenised_format():
-    assert normalise_line(" = = Early life = = \n") == "Early life"
-    assert normalise_line(" = Valkyria Chronicles III = \n") == "Valkyria Chronicles III"
-    assert normalise_line(" It sold 1 @,@ 000 copies in the mid @-@ 1990s at 2 @.@ 5 <unk> each . \n") == \
-        "It sold 1,000 copies in the mid-1990s at 2.5 <unk> each ."
-    assert normalise_line(" \n") is None
+needs_wikitext, WIKITEXT2_VALID = needs_shared("wikitext-2", "wiki.valid.tokens")
+pytestmark = [pytest.mark.slow, needs_wikitext]
+PREPARE = os.path.join(ROOT, "examples", "mlm", "prepare-wikitext-103.sh")
 
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """prepare-wikitext-103.sh, offline, on an archive in WikiText-103's layout cut from WikiText-2."""
-    if not os.path.exists(WIKITEXT2_VALID):
-        pytest.skip("../shared/data/wikitext-2 is not on this machine")
     work = tmp_path_factory.mktemp("mlm")
     with open(WIKITEXT2_VALID, encoding="utf-8") as f:
         lines = f.readlines()
@@ -42,14 +29,10 @@ def prepared(tmp_path_factory):
     with zipfile.ZipFile(mirror / "wikitext-103-v1.zip", "w") as z:
         for split, part in splits.items():
             z.writestr(f"wikitext-103/wiki.{split}.tokens", "".join(part))
-    script = os.path.join(ROOT, "examples", "mlm", "prepare-wikitext-103.sh")
-    cmd = ["bash", script, "--out", str(work / "wt"), "--mirror", str(mirror), "--sha1", "none",
+    cmd = ["bash", PREPARE, "--out", str(work / "wt"), "--mirror", str(mirror), "--sha1", "none",
            "--vocab-size", "2000", "--workers", "1"]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert second.returncode == 0
+    run_cli(*cmd)
+    second = run_cli(*cmd)
     return {"work": work, "out": work / "wt", "splits": splits, "rerun": second.stdout + second.stderr}
 
 
@@ -72,10 +55,8 @@ def test_a_truncated_archive_is_refused(prepared, tmp_path):
     mirror.mkdir()
     data = (prepared["work"] / "mirror" / "wikitext-103-v1.zip").read_bytes()
     (mirror / "wikitext-103-v1.zip").write_bytes(data[: len(data) // 2])
-    script = os.path.join(ROOT, "examples", "mlm", "prepare-wikitext-103.sh")
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run(["bash", script, "--out", str(tmp_path / "wt"), "--mirror", str(mirror), "--sha1", "none"],
-                          capture_output=True, text=True, env=env)
+    proc = run_cli("bash", PREPARE, "--out", str(tmp_path / "wt"), "--mirror", str(mirror), "--sha1", "none",
+                   check=False)
     assert proc.returncode != 0 and "not a complete zip archive" in proc.stderr
     assert not (tmp_path / "wt" / "raw").exists()
 
@@ -92,9 +73,8 @@ TRAIN = ["--task", "masked_lm", "--criterion", "moa_masked_lm", "--moa-alpha", "
 @pytest.fixture(scope="module")
 def trained(prepared):
     save = prepared["work"] / "ckpt"
-    proc = subprocess.run([cli("fairseq-train"), str(prepared["out"] / "data-bin"), "--user-dir", USER_DIR,
-                           *TRAIN, "--save-dir", str(save)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = run_cli("fairseq-train", str(prepared["out"] / "data-bin"), "--user-dir", USER_DIR, *TRAIN,
+                   "--save-dir", str(save))
     return {"ckpt": str(save / "checkpoint_last.pt"), "data_bin": str(prepared["out"] / "data-bin"),
             "log": proc.stdout + proc.stderr}
 
@@ -132,12 +112,9 @@ def _masked_nll(checkpoint, data_bin, subset):
 
 
 def test_perplexity_is_deterministic_and_matches_an_independent_computation(trained):
-    cmd = [os.path.join(ROOT, "examples", "mlm", "eval-ppl.sh"), trained["ckpt"], trained["data_bin"],
+    cmd = ["bash", os.path.join(ROOT, "examples", "mlm", "eval-ppl.sh"), trained["ckpt"], trained["data_bin"],
            "valid", "--", "--skip-invalid-size-inputs-valid-test"]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    runs = [subprocess.run(["bash", *cmd], capture_output=True, text=True, env=env) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-3000:]
+    runs = [run_cli(*cmd) for _ in range(2)]
     assert runs[0].stdout == runs[1].stdout
     match = re.search(r"valid: masked-token NLL ([\d.]+) nats \(([\d.]+) bits.*exp\(NLL\) = ([\d.]+)", runs[0].stdout)
     nats, bits, ppl = (float(g) for g in match.groups())

@@ -44,6 +44,11 @@ def test_attention_types_flag_keeps_fairseq_attention_elsewhere():
         build_model("moa_small", 40, TINY + ["--moa-attention-types", "decoder-kross"])
 
 
+def test_impossible_top_k_names_the_flags():
+    with pytest.raises(ValueError, match="--moa-top-k 5 with --moa-experts 4"):
+        build_model("moa_small", 40, TINY + ["--moa-top-k", "5"])
+
+
 def test_activation_checkpointing_keeps_moa_layers():
     model = build_model("moa_small", 40, TINY + ["--checkpoint-activations"])
     layer = model.encoder.layers[0]
@@ -78,7 +83,7 @@ def test_criterion_adds_aux_losses_with_exact_per_token_weights():
     sample = _sample(model.decoder.padding_idx)
     model(**sample["net_input"])  # dropout is 0: the criterion's forwards route identically
     routings = pop_routings(model)
-    base_loss, sample_size, _ = _criterion(model, 0.0, 0.0)(model, sample)
+    base_loss, sample_size, base_log = _criterion(model, 0.0, 0.0)(model, sample)
     assert len(routings) == 6  # 2 encoder self + 2 decoder self + 2 cross
     loss, sample_size2, log = _criterion(model, 0.01, 0.001)(model, sample)
     assert sample_size == sample_size2 == sample["ntokens"]
@@ -87,6 +92,9 @@ def test_criterion_adds_aux_losses_with_exact_per_token_weights():
     # fairseq divides by sample_size: the per-token objective is CE + 0.01 L_a + 0.001 L_z exactly.
     torch.testing.assert_close(loss / sample_size, base_loss / sample_size + 0.01 * l_a + 0.001 * l_z)
     torch.testing.assert_close(log["moa_la"] / sample_size, l_a / 6)
+    # the logged loss stays the pure translation loss, as a Transformer's criterion logs it
+    torch.testing.assert_close(log["loss"], base_log["loss"])
+    torch.testing.assert_close(log["moa_aux"], (loss - base_loss).detach())
 
 
 def test_cross_attention_routing_ignores_target_padding():

@@ -1,6 +1,6 @@
 """The generated corpus of the main job: correct German, reversible tokens, disjoint splits."""
 
-from moa.data.number_phrases import (de_number, de_ordinal, de_year, en_number, en_ordinal, generate_splits,
+from moa_tools.number_phrases import (de_number, de_ordinal, de_year, en_number, en_ordinal, generate_splits,
                                      join_tokens)
 
 

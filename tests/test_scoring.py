@@ -1,9 +1,10 @@
-"""The two BLEU figures of moa.scoring: compound splitting, and the tokenised BLEU's behaviour."""
+"""The two BLEU figures of moa_tools.scoring: compound splitting, and the tokenised BLEU's behaviour."""
 
 import pytest
 import sacrebleu
 
-from moa.scoring import bleu_report, ordered_hypotheses, split_compounds, tokenized_bleu
+from moa_tools import ToolError
+from moa_tools.scoring import bleu_report, ordered_hypotheses, split_compounds, tokenized_bleu
 
 
 def test_compound_splitting_marks_every_intra_word_hyphen():
@@ -30,7 +31,7 @@ def test_report_pairs_hypotheses_and_checks_counts():
     report = bleu_report(["Ein Mann fährt Rad.", "Zwei Hunde spielen im Schnee."], refs, "de")
     assert report.sacrebleu == pytest.approx(100.0) and report.sentences == 2
     assert report.signature.startswith("nrefs:1|case:mixed|eff:no|tok:13a")
-    with pytest.raises(ValueError, match="1 hypotheses for 2 references"):
+    with pytest.raises(ToolError, match="1 hypotheses for 2 references"):
         bleu_report(["Ein Mann."], refs, "de")
-    with pytest.raises(ValueError, match="missing ids start \\[1\\]"):
+    with pytest.raises(ToolError, match="missing ids start \\[1\\]"):
         ordered_hypotheses({0: "a", 2: "b"}, 3)

@@ -1,25 +1,35 @@
-"""examples/translation/prepare-multi30k.sh, offline: on ../shared/data/multi30k and on .gz fixtures."""
+"""The translation recipes, offline: prepare-multi30k.sh on the shared Multi30k and on .gz fixtures,
+train-wmt14.sh and evaluate.sh on a tiny model, and the Python API against fairseq-interactive."""
 
 import gzip
+import json
 import os
-import subprocess
-import sys
 
 import pytest
+import sacrebleu
 import sentencepiece as spm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh")
-MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
+from conftest import ROOT, needs_shared, run_cli
+from moa_tools.scoring import read_hypotheses
+from moa_tools.textio import read_lines
+
+pytestmark = pytest.mark.slow
+SCRIPTS = os.path.join(ROOT, "examples", "translation")
+needs_multi30k, MULTI30K = needs_shared("multi30k")
 SPLITS = {"train": 29000, "val": 1014, "test_2016_flickr": 1000}
+TINY_MOA = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
+            "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8"]
 
 
 def _prepare(*args):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    return subprocess.run(["bash", SCRIPT, "--workers", "1", *args], capture_output=True, text=True, env=env)
+    return run_cli("bash", os.path.join(SCRIPTS, "prepare-multi30k.sh"), "--workers", "1", *args, check=False)
 
 
-@pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k is not on this machine")
+def _script(name, *args):
+    return run_cli("bash", os.path.join(SCRIPTS, name), *args, check=False)
+
+
+@needs_multi30k
 def test_multi30k_en_de_from_the_shared_folder(tmp_path):
     out = tmp_path / "m30k"
     first = _prepare("--pair", "en-de", "--out", str(out), "--mirror", MULTI30K)
@@ -67,44 +77,29 @@ def test_gzip_mirror_and_mismatched_corpora(tmp_path):
 
 def test_python_api_translates_like_fairseq_interactive(tmp_path):
     import moa.hub
-    from moa.cli import USER_DIR, cli
+    from moa_tools import USER_DIR
 
     _gz_mirror(tmp_path / "mirror", 60)
     out = tmp_path / "m"
     assert _prepare("--pair", "en-fr", "--out", str(out), "--mirror", str(tmp_path / "mirror"),
                     "--vocab-size", "60").returncode == 0
     data_bin, ckpt = str(out / "data-bin"), str(tmp_path / "ckpt")
-    train = subprocess.run([cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", "moa_small",
-                            "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
-                            "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2",
-                            "--moa-head-dim", "8", "--share-all-embeddings", "--optimizer", "adam", "--lr", "1e-3",
-                            "--max-tokens", "1024", "--max-update", "5", "--cpu", "--save-dir", ckpt,
-                            "--no-epoch-checkpoints", "--num-workers", "0"], capture_output=True, text=True)
-    assert train.returncode == 0, train.stderr[-3000:]
+    run_cli("fairseq-train", data_bin, "--user-dir", USER_DIR, *TINY_MOA, "--share-all-embeddings",
+            "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "1024", "--max-update", "5", "--cpu",
+            "--save-dir", ckpt, "--no-epoch-checkpoints", "--num-workers", "0")
     sentences = ["en sentence 3 of val with words 3 and 3", "en sentence 8 of val with words 1 and 8"]
     translator = moa.hub.load_translator(os.path.join(ckpt, "checkpoint_last.pt"), data_bin,
                                          sentencepiece_model=str(out / "spm" / "spm.model"), cpu=True)
     batch = translator.translate(sentences, beam=2)
     assert isinstance(batch, list) and len(batch) == 2 and translator.translate(sentences[0], beam=2) == batch[0]
-    interactive = subprocess.run([cli("fairseq-interactive"), data_bin, "--user-dir", USER_DIR, "--cpu",
-                                  "--path", os.path.join(ckpt, "checkpoint_last.pt"), "--beam", "2",
-                                  "--bpe", "sentencepiece", "--sentencepiece-model", str(out / "spm" / "spm.model")],
-                                 input="\n".join(sentences) + "\n", capture_output=True, text=True)
-    assert interactive.returncode == 0, interactive.stderr[-3000:]
+    interactive = run_cli("fairseq-interactive", data_bin, "--user-dir", USER_DIR, "--cpu",
+                          "--path", os.path.join(ckpt, "checkpoint_last.pt"), "--beam", "2",
+                          "--bpe", "sentencepiece", "--sentencepiece-model", str(out / "spm" / "spm.model"),
+                          input="\n".join(sentences) + "\n")
     detok = [line.split("\t")[2] for line in interactive.stdout.splitlines() if line.startswith("D-")]
     assert batch == detok
     with pytest.raises(FileNotFoundError, match="nowhere.pt"):
         moa.hub.load_translator(str(tmp_path / "nowhere.pt"), data_bin)
-
-
-TINY_MOA = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
-            "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8"]
-
-
-def _script(name, *args):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    return subprocess.run(["bash", os.path.join(ROOT, "examples", "translation", name), *args],
-                          capture_output=True, text=True, env=env)
 
 
 def test_train_script_keeps_the_papers_effective_batch_for_any_gpu_count(tmp_path):
@@ -122,13 +117,6 @@ def test_train_script_keeps_the_papers_effective_batch_for_any_gpu_count(tmp_pat
 
 
 def test_train_then_evaluate_averages_translates_everything_and_reports_both_bleus(tmp_path):
-    import json
-
-    import sacrebleu
-
-    from moa.data.parallel import read_lines
-    from moa.scoring import read_hypotheses
-
     _gz_mirror(tmp_path / "mirror", 60)
     out = tmp_path / "m"
     assert _prepare("--pair", "en-fr", "--out", str(out), "--mirror", str(tmp_path / "mirror"),

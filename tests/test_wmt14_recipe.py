@@ -9,19 +9,17 @@ import gzip
 import io
 import os
 import shutil
-import subprocess
 import tarfile
 
 import pytest
 
-from moa.data.parallel import sgm_segments
+from conftest import ROOT, needs_shared, run_cli, sacrebleu_sgm_text
+from moa_tools.corpora import sgm_segments
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "examples", "translation")
-SGM = os.path.join(ROOT, "..", "shared", "data", "newstest2014", "sgm")
-MULTI30K = os.path.join(ROOT, "..", "shared", "data", "multi30k")
-pytestmark = pytest.mark.skipif(not (os.path.isdir(SGM) and os.path.isdir(MULTI30K)),
-                                reason="../shared/data (newstest2014 sgm, multi30k) is not on this machine")
+needs_sgm, SGM = needs_shared("newstest2014", "sgm")
+needs_multi30k, MULTI30K = needs_shared("multi30k")
+pytestmark = [pytest.mark.slow, needs_sgm, needs_multi30k]
 
 CORPORA = {  # archive -> (member pattern with {l} for the language, corpus pair code)
     "en-de": [("training-parallel-europarl-v7.tgz", "training/europarl-v7.de-en.{l}"),
@@ -99,28 +97,8 @@ def build_mirror(folder, pair):
 def prepare(pair, out, mirror, check=True, test_md5="none"):
     script = os.path.join(SCRIPTS, f"prepare-wmt14en2{pair.split('-')[1]}.sh")
     md5 = ["--test-md5", test_md5] if test_md5 else []
-    proc = subprocess.run(["bash", script, "--out", str(out), "--mirror", str(mirror), "--vocab-size", "600",
-                           "--workers", "2", *md5], capture_output=True, text=True)
-    if check and proc.returncode != 0:
-        pytest.fail(f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def sacrebleu_text(sgm_file, tmp_path):
-    """The plain text sacreBLEU itself makes of a WMT .sgm file (its own converter, no download)."""
-    from sacrebleu.dataset.fake_sgml import FakeSGMLDataset
-
-    out = str(tmp_path / (os.path.basename(sgm_file) + ".sacrebleu.txt"))
-    FakeSGMLDataset._convert_format(FakeSGMLDataset.__new__(FakeSGMLDataset), sgm_file, out)
-    return read(out)
-
-
-@pytest.mark.parametrize("name", ["newstest2014-deen-src.en.sgm", "newstest2014-deen-ref.de.sgm",
-                                  "newstest2014-fren-src.en.sgm", "newstest2014-fren-ref.fr.sgm"])
-def test_sgm_text_is_sacrebleus_on_the_full_newstest2014(name, tmp_path):
-    segments = sgm_segments(os.path.join(SGM, name))
-    assert len(segments) == 3003
-    assert [s[2] for s in segments] == sacrebleu_text(os.path.join(SGM, name), tmp_path)
+    return run_cli("bash", script, "--out", str(out), "--mirror", str(mirror), "--vocab-size", "600",
+                   "--workers", "2", *md5, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +115,7 @@ def test_test_set_is_whole_aligned_and_free_of_markup(en_de, tmp_path):
     cut.write_text(cut_sgm(os.path.join(SGM, "newstest2014-deen-ref.de.sgm")), encoding="utf-8")
     cut_src = tmp_path / "src.sgm"
     cut_src.write_text(cut_sgm(os.path.join(SGM, "newstest2014-deen-src.en.sgm")), encoding="utf-8")
-    reference, source = sacrebleu_text(str(cut), tmp_path), sacrebleu_text(str(cut_src), tmp_path)
+    reference, source = sacrebleu_sgm_text(str(cut), tmp_path), sacrebleu_sgm_text(str(cut_src), tmp_path)
     assert len(reference) == len(sgm_segments(str(cut))) > 20
     assert read(out / "text" / "test.de") == reference  # the raw reference, untouched, for sacreBLEU
     assert read(out / "orig" / "newstest2014.en") == source

@@ -56,7 +56,14 @@ else
 fi
 
 echo "[3/4] normalise and sentencepiece-encode (vocabulary $vocab)"
-moa-wikitext-encode "$out/raw" "$out/spm" --vocab-size "$vocab"
+mkdir -p "$out/spm"
+for split in train valid test; do  # the @-markers undone, headings without their = markers
+    [ -f "$out/spm/$split.txt" ] || moa-corpus wikitext "$out/raw/wiki.$split.tokens" "$out/spm/$split.txt"
+done
+moa-corpus spm-train --model-prefix "$out/spm/spm" --vocab-size "$vocab" --input-sentence-size 2000000 \
+    --keep-symbol '<unk>' "$out/spm/train.txt" >/dev/null
+moa-corpus spm-encode --model "$out/spm/spm.model" \
+    "$out/spm/train.txt" "$out/spm/train.spm" "$out/spm/valid.txt" "$out/spm/valid.spm" "$out/spm/test.txt" "$out/spm/test.spm"
 
 echo "[4/4] binarise"
 if [ ! -f "$out/data-bin/dict.txt" ]; then

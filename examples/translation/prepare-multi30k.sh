@@ -64,14 +64,14 @@ done
 
 echo "[2/4] joint sentencepiece model ($vocab pieces)"
 mkdir -p "$out/spm"
-moa-spm train --model-prefix "$out/spm/spm" --vocab-size "$vocab" "$out/raw/train.$src" "$out/raw/train.$tgt" >/dev/null
+moa-corpus spm-train --model-prefix "$out/spm/spm" --vocab-size "$vocab" "$out/raw/train.$src" "$out/raw/train.$tgt" >/dev/null
 
 echo "[3/4] encode"
 pairs=()
 for split in "${splits[@]}"; do
     for lang in "$src" "$tgt"; do pairs+=("$out/raw/$split.$lang" "$out/spm/$split.$lang"); done
 done
-moa-spm encode --model "$out/spm/spm.model" "${pairs[@]}"
+moa-corpus spm-encode --model "$out/spm/spm.model" "${pairs[@]}"
 
 echo "[4/4] binarise"
 binarise "$src" "$tgt" "$out/spm" val test_2016_flickr "$out/data-bin" "$workers"

@@ -156,11 +156,11 @@ normalize "$src" "$out/text/test.$src" "$out/orig/newstest2014.$src"
 for split in train valid test; do check_pair "$out/text/$split.$src" "$out/text/$split.$tgt"; done
 
 echo "[4/6] joint sentencepiece model ($vocab pieces, learnt on up to $spm_sentences sampled lines)"
-moa-spm train --model-prefix "$out/spm/spm" --vocab-size "$vocab" --input-sentence-size "$spm_sentences" \
+moa-corpus spm-train --model-prefix "$out/spm/spm" --vocab-size "$vocab" --input-sentence-size "$spm_sentences" \
     "$out/text/train.$src" "$out/text/train.$tgt" >/dev/null
 
 echo "[5/6] encode; filter training pairs (1..$max_len pieces, length ratio <= $ratio); valid and test stay whole"
-moa-spm encode --model "$out/spm/spm.model" \
+moa-corpus spm-encode --model "$out/spm/spm.model" \
     "$out/text/train.$src" "$out/spm/train.all.$src" "$out/text/train.$tgt" "$out/spm/train.all.$tgt" \
     "$out/text/valid.$src" "$out/spm/valid.$src" "$out/text/valid.$tgt" "$out/spm/valid.$tgt" \
     "$out/text/test.$src" "$out/spm/test.$src" "$out/text/test.$tgt" "$out/spm/test.$tgt"

@@ -19,7 +19,7 @@ from moa.attention import MixtureOfAttentionHeads
 from moa.routing import Routing
 
 LOGGED = {
-    "moa_aux": "the auxiliary part of loss, base 2 like loss",
+    "moa_aux": "the auxiliary part training adds to the task loss, base 2 like loss",
     "moa_la": "L_a, mean over MoA modules (1.0 = balanced)",
     "moa_lz": "L_z, mean over MoA modules",
     "moa_load_cv": "coefficient of variation of expert load, mean over modules (0 = balanced)",

@@ -18,10 +18,12 @@ class MoALabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCrite
 
 @register_criterion("moa_label_smoothed_cross_entropy", dataclass=MoALabelSmoothedCrossEntropyCriterionConfig)
 class MoALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
-    """``loss`` = label-smoothed CE + sum over modules of (alpha L_a + beta L_z), per token.
+    """Optimises label-smoothed CE + sum over modules of (alpha L_a + beta L_z), per target token.
 
-    Logs ``moa_aux`` (the auxiliary part of ``loss``), ``moa_la``, ``moa_lz`` and
-    ``moa_load_cv``; ``nll_loss`` and ``ppl`` stay the pure translation figures.
+    The logged ``loss`` and ``nll_loss`` (base 2) and ``ppl`` stay fairseq's pure translation
+    figures, so validation loss and ``checkpoint_best`` compare with a Transformer's; ``moa_aux``
+    (base 2) is the auxiliary part that training adds, and ``moa_la``, ``moa_lz``, ``moa_load_cv``
+    the routing figures.
     """
 
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
@@ -34,10 +36,7 @@ class MoALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         pop_routings(model)  # drop anything recorded outside this criterion
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         aux = moa_aux_loss(pop_routings(model), sample_size, self.moa_alpha, self.moa_beta, logging_output)
-        if reduce:
-            loss = loss + aux
-            logging_output["loss"] = loss.data
-        return loss, sample_size, logging_output
+        return (loss + aux if reduce else loss), sample_size, logging_output
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

@@ -17,9 +17,9 @@ class MoAMaskedLmConfig(MaskedLmConfig, MoAAuxLossConfig):
 class MoAMaskedLmLoss(MaskedLmLoss):
     """Optimises masked-token CE + sum over modules of (alpha L_a + beta L_z), per masked token.
 
-    The logged ``loss`` (base 2) and ``ppl`` stay the pure masked-token figures, as
-    fairseq derives ``ppl`` from ``loss``; ``moa_aux`` (base 2) is the auxiliary part
-    that training adds, and ``moa_la``, ``moa_lz``, ``moa_load_cv`` the routing figures.
+    The logged ``loss`` (base 2) and ``ppl`` stay fairseq's pure masked-token figures;
+    ``moa_aux`` (base 2) is the auxiliary part that training adds, and ``moa_la``,
+    ``moa_lz``, ``moa_load_cv`` the routing figures.
     """
 
     def __init__(self, cfg: MoAMaskedLmConfig, task):
@@ -33,7 +33,7 @@ class MoAMaskedLmLoss(MaskedLmLoss):
         aux = moa_aux_loss(pop_routings(model), sample_size, self.moa_alpha, self.moa_beta, logging_output)
         return loss + aux, sample_size, logging_output
 
-    @staticmethod
-    def reduce_metrics(logging_outputs) -> None:
-        MaskedLmLoss.reduce_metrics(logging_outputs)
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
         reduce_moa_metrics(logging_outputs)

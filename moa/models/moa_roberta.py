@@ -14,12 +14,12 @@ dropout 0.1 (``moa_roberta_8k8e128d`` ... ``moa_roberta_8k64e256d``), and
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.roberta.model import RobertaEncoder, RobertaModel
 from fairseq.models.roberta.model import base_architecture as roberta_base_architecture
-from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 from torch import nn
 
 from moa.attention import MixtureOfAttentionHeads
-from moa.models.moa_transformer import MoATransformerEncoder, add_moa_args, moa_attention_types, set_moa_defaults
+from moa.models.moa_transformer import (MoATransformerEncoder, add_moa_args, check_moa_args, moa_layer_config,
+                                        set_moa_defaults)
 
 
 def init_moa_bert_params(module):
@@ -31,7 +31,7 @@ def init_moa_bert_params(module):
 
 class MoARobertaEncoder(RobertaEncoder):
     def build_encoder(self, args, dictionary, embed_tokens):
-        encoder = MoATransformerEncoder(TransformerConfig.from_namespace(args), dictionary, embed_tokens)
+        encoder = MoATransformerEncoder(moa_layer_config(args), dictionary, embed_tokens)
         encoder.apply(init_bert_params)
         encoder.apply(init_moa_bert_params)
         return encoder
@@ -48,8 +48,7 @@ class MoARobertaModel(RobertaModel):
 
     @classmethod
     def build_model(cls, args, task):
-        moa_roberta_8k8e128d(args)
-        moa_attention_types(args)
+        check_moa_args(args)  # fairseq has applied the arch function (the MoA defaults) already
         if not hasattr(args, "max_positions"):
             args.max_positions = getattr(args, "tokens_per_sample", None) or task.max_positions()
         return cls(args, MoARobertaEncoder(args, task.source_dictionary))
@@ -74,7 +73,7 @@ def _register(name, experts, top_k, head_dim, doc):
     return register_model_architecture("moa_roberta", name)(arch)
 
 
-moa_roberta_8k8e128d = _register("moa_roberta", 8, 8, 128, "The default: 8K8E128D on the MLM base shape.")
+_register("moa_roberta", 8, 8, 128, "The default: 8K8E128D on the MLM base shape.")
 for _e, _d in ((8, 128), (8, 256), (16, 256), (32, 256), (64, 256)):
     _register(f"moa_roberta_8k{_e}e{_d}d", _e, 8, _d, f"8K{_e}E{_d}D on the MLM base shape.")
 

@@ -48,13 +48,28 @@ def add_moa_args(parser):
                         help="give the MoA projections biases (the paper's parameter counts have none)")
 
 
-def moa_attention_types(cfg) -> set:
-    """The validated set of attention types that use MoA."""
-    names = {name.strip() for name in str(cfg.moa_attention_types).split(",") if name.strip()}
+def parse_attention_types(value: str) -> frozenset:
+    """``--moa-attention-types``: the validated set of attention types that use MoA."""
+    names = frozenset(name.strip() for name in str(value).split(",") if name.strip())
     unknown = names - set(ATTENTION_TYPES)
     if unknown:
         raise ValueError(f"--moa-attention-types: unknown {sorted(unknown)}; choose from {','.join(ATTENTION_TYPES)}")
     return names
+
+
+def check_moa_args(args) -> None:
+    """Refuse MoA flags that cannot build a model, naming the flag to change."""
+    parse_attention_types(args.moa_attention_types)
+    if not 1 <= args.moa_top_k <= args.moa_experts:
+        raise ValueError(f"--moa-top-k {args.moa_top_k} with --moa-experts {args.moa_experts}: "
+                         "MoA selects between 1 and --moa-experts experts per token")
+
+
+def moa_layer_config(args) -> TransformerConfig:
+    """fairseq's layer config for ``args``, with ``moa_types``, the parsed attention types that use MoA."""
+    cfg = TransformerConfig.from_namespace(args)
+    cfg.moa_types = parse_attention_types(args.moa_attention_types)
+    return cfg
 
 
 def build_moa_attention(cfg, embed_dim, kdim=None, self_attention=False, encoder_decoder_attention=False):
@@ -83,14 +98,14 @@ def wrap_layer(layer, cfg):
 
 class MoATransformerEncoderLayer(TransformerEncoderLayerBase):
     def build_self_attention(self, embed_dim, cfg):
-        if "encoder-self" not in moa_attention_types(cfg):
+        if "encoder-self" not in cfg.moa_types:
             return super().build_self_attention(embed_dim, cfg)
         return build_moa_attention(cfg, embed_dim, self_attention=True)
 
 
 class MoATransformerDecoderLayer(TransformerDecoderLayerBase):
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        if "decoder-self" not in moa_attention_types(cfg):
+        if "decoder-self" not in cfg.moa_types:
             return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
         if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
             raise ValueError("MoA decoder self-attention does not support --cross-self-attention, "
@@ -98,7 +113,7 @@ class MoATransformerDecoderLayer(TransformerDecoderLayerBase):
         return build_moa_attention(cfg, embed_dim, self_attention=True)
 
     def build_encoder_attention(self, embed_dim, cfg):
-        if "decoder-cross" not in moa_attention_types(cfg):
+        if "decoder-cross" not in cfg.moa_types:
             return super().build_encoder_attention(embed_dim, cfg)
         return build_moa_attention(cfg, embed_dim, kdim=cfg.encoder.embed_dim, encoder_decoder_attention=True)
 
@@ -137,17 +152,16 @@ class MoATransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
-        moa_base_architecture(args)
-        moa_attention_types(args)
+        check_moa_args(args)  # fairseq has applied the arch function (the MoA defaults) already
         return super().build_model(args, task)
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
-        return MoATransformerEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
+        return MoATransformerEncoder(moa_layer_config(args), src_dict, embed_tokens)
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
-        return MoATransformerDecoder(TransformerConfig.from_namespace(args), tgt_dict, embed_tokens,
+        return MoATransformerDecoder(moa_layer_config(args), tgt_dict, embed_tokens,
                                      no_encoder_attn=getattr(args, "no_cross_attention", False))
 
 

@@ -1,17 +1,17 @@
-"""Parallel-corpus text for the WMT recipes: reading safely, SGML test sets, normalisation, filtering.
+"""The parallel-corpus steps of the WMT recipes: archives, SGML test sets, normalisation, filtering.
 
-Lines are split on ``\\n`` only. Python's universal newlines (and fairseq's own readers)
-would also break at ``\\r``, and ``str.splitlines`` at U+2028 and friends. Corpora such as
-Common Crawl contain those characters inside sentences, and one extra break shifts every
-later pair. So :func:`clean_line` turns them into spaces before anything is written.
+Lines are read split on ``\\n`` only (:mod:`moa_tools.textio`). Corpora such as Common Crawl carry
+``\\r``, U+2028 and other line-break characters inside sentences, and one extra break would shift
+every later pair, so :func:`clean_line` turns them into spaces before anything is written.
 """
 
 import os
 import re
 from multiprocessing import Pool
-from typing import Iterator, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
-from moa.data.subword import atomic_text_outputs, write_lines_atomically
+from moa_tools import ToolError
+from moa_tools.textio import atomic_text_outputs, count_lines, read_lines, write_lines_atomically
 
 _BREAKS = re.compile("[\r\n\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
 _SPACES = re.compile(r"\s+")
@@ -20,20 +20,8 @@ _SEG_ID = re.compile(r'<seg[^>]*\bid="?([^">\s]+)"?')
 _DOC_ID = re.compile(r'<doc[^>]*\bdocid="([^"]*)"')
 
 
-class CorpusError(RuntimeError):
+class CorpusError(ToolError):
     """A corpus file that cannot be used as it is; the message names the file and the problem."""
-
-
-def read_lines(path: str) -> Iterator[str]:
-    """The lines of a UTF-8 file, split on ``\\n`` only; undecodable bytes become U+FFFD."""
-    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-        for line in f:
-            yield line[:-1] if line.endswith("\n") else line
-
-
-def count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
 
 
 def clean_line(text: str) -> str:

@@ -18,6 +18,8 @@ from typing import Dict, List, Sequence
 
 import sacrebleu
 
+from moa_tools import ToolError
+
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
 
@@ -52,7 +54,7 @@ def ordered_hypotheses(hypotheses: Dict[int, str], count: int) -> List[str]:
     """The hypotheses in id order; an error naming the gap unless every id in ``range(count)`` is there."""
     missing = sorted(set(range(count)) - set(hypotheses))
     if missing or len(hypotheses) != count:
-        raise ValueError(f"fairseq-generate translated {len(hypotheses)} sentences for {count} references; "
+        raise ToolError(f"fairseq-generate translated {len(hypotheses)} sentences for {count} references; "
                          f"missing ids start {missing[:5]} (pass --required-batch-size-multiple 1 and "
                          "--skip-invalid-size-inputs-valid-test must not be set for the test set)")
     return [hypotheses[i] for i in range(count)]
@@ -84,7 +86,7 @@ def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: s
 def bleu_report(hypotheses: Sequence[str], references: Sequence[str], lang: str) -> BleuReport:
     """Both BLEU figures for aligned, detokenised hypotheses and raw references in language ``lang``."""
     if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
+        raise ToolError(f"{len(hypotheses)} hypotheses for {len(references)} references")
     bleu = sacrebleu.metrics.BLEU()
     score = bleu.corpus_score(list(hypotheses), [list(references)]).score
     return BleuReport(score, str(bleu.get_signature()), tokenized_bleu(hypotheses, references, lang), len(references))

@@ -14,27 +14,25 @@ import argparse
 import math
 import os
 import re
-import subprocess
 import sys
 
-from moa.cli import USER_DIR, cli
+from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 
 _RESULT = re.compile(r"valid on '([^']+)' subset \| loss ([\d.]+)")
 
 
 def evaluate(checkpoint: str, data_bin: str, subset: str, extra=()) -> float:
     """fairseq-validate's masked-token loss on ``subset``, in bits per token."""
-    cmd = [cli("fairseq-validate"), data_bin, "--user-dir", USER_DIR, "--task", "masked_lm", "--path", checkpoint,
-           "--valid-subset", subset, "--batch-size", "16", "--required-batch-size-multiple", "1", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    output = proc.stdout + proc.stderr
+    output = run_logged([fairseq_command("fairseq-validate"), data_bin, "--user-dir", USER_DIR, "--task", "masked_lm",
+                         "--path", checkpoint, "--valid-subset", subset, "--batch-size", "16",
+                         "--required-batch-size-multiple", "1", *extra])
     match = _RESULT.search(output)
-    if proc.returncode != 0 or not match:
-        raise RuntimeError(f"fairseq-validate failed on {subset} ({proc.returncode}):\n{output[-3000:]}")
+    if not match:
+        raise ToolError(f"fairseq-validate printed no loss for {subset}:\n{output[-3000:]}")
     return float(match.group(2))
 
 
-def main(argv=None) -> int:
+def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
@@ -46,14 +44,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for path in (args.checkpoint, args.data_bin):
         if not os.path.exists(path):
-            print(f"moa-eval-ppl: error: {path} does not exist", file=sys.stderr)
-            return 1
+            raise ToolError(f"{path} does not exist")
     for subset in args.subsets:
         bits = evaluate(args.checkpoint, args.data_bin, subset, extra)
         nats = bits * math.log(2)
         print(f"{subset}: masked-token NLL {nats:.4f} nats ({bits:.3f} bits, fairseq's 'loss'); "
               f"perplexity exp(NLL) = {math.exp(nats):.3f}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_tool("moa-eval-ppl", _main, argv)
 
 
 if __name__ == "__main__":

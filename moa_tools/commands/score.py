@@ -5,19 +5,19 @@
 Reads the ``D-`` lines (detokenised hypotheses; generate with ``--post-process
 sentencepiece``), checks that every reference line has its hypothesis, then prints
 sacreBLEU with its signature and the paper's tokenised, compound-split BLEU
-(see :mod:`moa.scoring`).
+(see :mod:`moa_tools.scoring`).
 """
 
 import argparse
 import json
-import os
 import sys
 
-from moa.data.parallel import read_lines
-from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses
+from moa_tools import run_tool
+from moa_tools.scoring import bleu_report, ordered_hypotheses, read_hypotheses
+from moa_tools.textio import read_lines
 
 
-def main(argv=None) -> int:
+def _main(argv) -> int:
     parser = argparse.ArgumentParser(prog="moa-score", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("generate_log")
@@ -25,15 +25,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lang", required=True, help="target language, for Moses tokenisation (de, fr, ...)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
-    for path in (args.generate_log, args.references):
-        if not os.path.isfile(path):
-            parser.error(f"{path} does not exist")
     references = list(read_lines(args.references))
-    try:
-        hypotheses = ordered_hypotheses(read_hypotheses(args.generate_log), len(references))
-    except ValueError as e:
-        print(f"moa-score: {e}", file=sys.stderr)
-        return 1
+    hypotheses = ordered_hypotheses(read_hypotheses(args.generate_log), len(references))
     report = bleu_report(hypotheses, references, args.lang)
     print(f"{report.sentences} of {len(references)} test sentences translated")
     print("\n".join(report.lines()))
@@ -41,6 +34,10 @@ def main(argv=None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report.__dict__, f, indent=1)
     return 0
+
+
+def main(argv=None) -> int:
+    return run_tool("moa-score", _main, argv)
 
 
 if __name__ == "__main__":

@@ -2,25 +2,20 @@
 
 Runs the stock fairseq CLIs (``fairseq-preprocess``, ``fairseq-train``,
 ``fairseq-generate``) in subprocesses on the generated English->German corpus of
-:mod:`moa.data.number_phrases`, then scores the detokenised output against the
+:mod:`moa_tools.number_phrases`, then scores the detokenised output against the
 plain-text references with sacreBLEU. Every step writes into ``--workdir``.
 """
 
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import time
 
-import torch
-
-from moa.cli import USER_DIR, cli
-from moa.data.number_phrases import generate_splits
-from moa.data.parallel import read_lines
-from moa.scoring import bleu_report, ordered_hypotheses, read_hypotheses
-
-SPLITS = ("train", "valid", "test")
+from moa_tools import USER_DIR, fairseq_command, run_logged, run_tool
+from moa_tools.number_phrases import generate_splits
+from moa_tools.scoring import bleu_report, ordered_hypotheses, read_hypotheses
+from moa_tools.textio import read_lines
 
 
 def write_corpus(folder: str, sizes: dict, seed: int) -> None:
@@ -32,18 +27,18 @@ def write_corpus(folder: str, sizes: dict, seed: int) -> None:
                 f.writelines(pair[column] + "\n" for pair in pairs)
 
 
-def run(cmd, log_path: str) -> None:
-    """Run one fairseq CLI, its output to ``log_path``; on failure show the log's tail and stop."""
+def _step(cmd, log_path: str) -> None:
     print("+ " + " ".join(cmd), flush=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        with open(log_path, encoding="utf-8") as log:
-            tail = log.read()[-3000:]
-        sys.exit(f"{cmd[0]} failed with exit code {code}; the end of {log_path}:\n{tail}")
+    run_logged(cmd, log_path)
 
 
-def main(argv=None):
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _main(argv):
     parser = argparse.ArgumentParser(prog="moa-demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", default="moa-demo-run", help="folder for data, checkpoints and logs")
@@ -61,37 +56,37 @@ def main(argv=None):
         shutil.rmtree(args.workdir)
     raw, data_bin, ckpt = (os.path.join(args.workdir, d) for d in ("raw", "data-bin", "checkpoints"))
     os.makedirs(args.workdir, exist_ok=True)
-    device = [] if torch.cuda.is_available() else ["--cpu"]
+    device = [] if _cuda_available() else ["--cpu"]
     started = time.time()
 
     print(f"[1/4] corpus: {args.train_size} generated en-de training pairs -> {raw}", flush=True)
     write_corpus(raw, {"train": args.train_size, "valid": 300, "test": args.test_size}, args.seed)
     if os.path.isdir(data_bin):
         shutil.rmtree(data_bin)
-    run([cli("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
-         "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
-         "--destdir", data_bin, "--joined-dictionary", "--workers", "2"],
-        os.path.join(args.workdir, "preprocess.log"))
+    _step([fairseq_command("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
+           "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
+           "--destdir", data_bin, "--joined-dictionary", "--workers", "2"],
+          os.path.join(args.workdir, "preprocess.log"))
 
     print(f"[2/4] train {args.arch} for {args.max_update} updates (log: {args.workdir}/train.log)", flush=True)
     if os.path.isdir(ckpt):
         shutil.rmtree(ckpt)
-    run([cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", args.arch, *device,
-         "--task", "translation", "--share-all-embeddings",
-         "--criterion", "moa_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
-         "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "300",
-         "--dropout", "0.1", "--max-tokens", str(args.max_tokens), "--max-update", str(args.max_update),
-         "--seed", str(args.seed), "--save-dir", ckpt, "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "100",
-         "--num-workers", "0", *args.train_args.split()],
-        os.path.join(args.workdir, "train.log"))
+    _step([fairseq_command("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", args.arch, *device,
+           "--task", "translation", "--share-all-embeddings",
+           "--criterion", "moa_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+           "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
+           "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "300",
+           "--dropout", "0.1", "--max-tokens", str(args.max_tokens), "--max-update", str(args.max_update),
+           "--seed", str(args.seed), "--save-dir", ckpt, "--no-epoch-checkpoints", "--log-format", "simple",
+           "--log-interval", "100", "--num-workers", "0", *args.train_args.split()],
+          os.path.join(args.workdir, "train.log"))
 
     print("[3/4] translate the test set with beam 4", flush=True)
     generate_log = os.path.join(args.workdir, "generate.log")
-    run([cli("fairseq-generate"), data_bin, "--user-dir", USER_DIR, *device, "--gen-subset", "test",
-         "--path", os.path.join(ckpt, "checkpoint_last.pt"), "--beam", "4", "--lenpen", "0.6",
-         "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "subword_nmt",
-         "--num-workers", "0"], generate_log)
+    _step([fairseq_command("fairseq-generate"), data_bin, "--user-dir", USER_DIR, *device, "--gen-subset", "test",
+           "--path", os.path.join(ckpt, "checkpoint_last.pt"), "--beam", "4", "--lenpen", "0.6",
+           "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "subword_nmt",
+           "--num-workers", "0"], generate_log)
 
     refs = list(read_lines(os.path.join(raw, "test.ref.de")))
     hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
@@ -100,7 +95,12 @@ def main(argv=None):
     for hyp, ref in list(zip(hyps, refs))[:3]:
         print(f"  REF {ref}\n  HYP {hyp}")
     print(f"BLEU = {report.sacrebleu:.2f}  ({report.signature})")
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_tool("moa-demo", _main, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

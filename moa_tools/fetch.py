@@ -1,17 +1,14 @@
-"""``moa-fetch``: download one file for a recipe: progress, resume, verification, offline mirror.
-
-    moa-fetch URL DEST [--sha1 HEX | --sha256 HEX | --md5 HEX] [--size BYTES] [--mirror DIR]
+"""Downloading one file for a recipe: progress, resume, verification, an offline mirror.
 
 * DEST already there and verified: nothing to do (a finished step is skipped).
-* ``--mirror DIR`` holding a file named like the URL's last part: copied from there,
-  no network (the whole recipe then runs offline).
-* Otherwise downloaded to ``DEST.part`` with progress on stderr; an interrupted
-  download resumes from ``DEST.part`` (HTTP Range); the file is verified (size
-  announced by the server or given, and the checksum given) and only then renamed
-  to DEST. A truncated or corrupt file is an error and never becomes DEST.
+* A mirror folder holding a file named like the URL's last part: copied from there, no network
+  (the whole recipe then runs offline).
+* Otherwise downloaded to ``DEST.part`` with progress on stderr; an interrupted download resumes
+  from ``DEST.part`` (HTTP Range); the file is verified (the size the server announced or the one
+  given, and the checksums given) and only then renamed to DEST. A truncated or corrupt file is an
+  error and never becomes DEST.
 """
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -20,11 +17,13 @@ import time
 import urllib.error
 import urllib.request
 
+from moa_tools import ToolError
+
 CHUNK = 1 << 20
 
 
-class FetchError(RuntimeError):
-    pass
+class FetchError(ToolError):
+    """A download that failed or a file that does not verify; the message says what to do."""
 
 
 def file_digest(path: str, algorithm: str) -> str:
@@ -109,27 +108,3 @@ def fetch(url: str, dest: str, size=None, checksums=None, mirror=None) -> str:
         raise FetchError(f"{e}; run the same command again to resume the download") from e
     os.replace(part, dest)
     return how
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="moa-fetch", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("url")
-    parser.add_argument("dest")
-    parser.add_argument("--size", type=int, help="expected size in bytes")
-    for algorithm in ("sha1", "sha256", "md5"):
-        parser.add_argument(f"--{algorithm}", help=f"expected {algorithm} hex digest")
-    parser.add_argument("--mirror", help="a local folder to take the file from instead of the network")
-    args = parser.parse_args(argv)
-    checksums = {a: getattr(args, a) for a in ("sha1", "sha256", "md5") if getattr(args, a)}
-    try:
-        how = fetch(args.url, args.dest, args.size, checksums, args.mirror)
-    except FetchError as e:
-        print(f"moa-fetch: error: {e}", file=sys.stderr)
-        return 1
-    print(f"{args.dest}: {how}, verified", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,18 @@
+"""What the benchmarks (and the tests) share: the repository's paths and the real data's location.
+
+The real corpora live outside the repository (never copied into it): ``$MOA_SHARED_DATA``, by
+default ``../shared/data`` beside the checkout (see its README for what each folder holds).
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the plugin and the tools of this checkout, also when run as a script
+SHARED_DATA = os.environ.get("MOA_SHARED_DATA") or os.path.normpath(os.path.join(ROOT, "..", "shared", "data"))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def shared_data(*parts: str) -> str:
+    """The path of ``parts`` under the shared data folder (it may not exist on this machine)."""
+    return os.path.join(SHARED_DATA, *parts)

@@ -1,1 +1,0 @@
-"""Data the project generates itself (no third-party text)."""

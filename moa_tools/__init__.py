@@ -1,0 +1,59 @@
+"""The moa toolkit's data preparation, scoring and checkpoint tools (the ``moa-*`` console scripts).
+
+The plugin itself is the ``moa`` package (``fairseq-train --user-dir moa``); this package sits
+beside it and never imports torch or fairseq at import time, so the text tools start at once.
+What every tool shares lives here:
+
+* :data:`USER_DIR`, the folder to pass as fairseq's ``--user-dir``, found without importing it;
+* :func:`fairseq_command`, the path of a console script installed beside this Python;
+* the error convention: a tool raises :class:`ToolError` (or lets an ``OSError`` through) with a
+  message that names the problem and the fix; :func:`run_tool` prints it as
+  ``PROG: error: MESSAGE`` (argparse's own format) and returns exit code 1.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from typing import Callable, Optional, Sequence
+
+USER_DIR = os.path.dirname(importlib.util.find_spec("moa").origin)
+
+
+class ToolError(RuntimeError):
+    """An input a tool cannot use, or a step that failed; the message names what to fix."""
+
+
+def run_tool(prog: str, main: Callable[[Optional[Sequence[str]]], Optional[int]], argv=None) -> int:
+    """Run ``main(argv)`` under the tools' error convention; returns the exit code."""
+    try:
+        return main(argv) or 0
+    except (ToolError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def fairseq_command(name: str) -> str:
+    """The path of a console script installed beside this Python (``fairseq-train``, ...)."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.path.exists(path) else name
+
+
+def run_logged(cmd: Sequence[str], log_path: Optional[str] = None) -> str:
+    """Run ``cmd`` with this Python's scripts first on PATH and return its output (stdout and stderr).
+
+    With ``log_path`` the output goes to that file as it is written (``tail -f`` shows progress).
+    A non-zero exit is a :class:`ToolError` carrying the output's tail."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if log_path is None:
+        proc = subprocess.run(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        code, output = proc.returncode, proc.stdout
+    else:
+        with open(log_path, "w", encoding="utf-8") as log:
+            code = subprocess.call(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
+        with open(log_path, encoding="utf-8", errors="replace") as log:
+            output = log.read()
+    if code != 0:
+        where = f"; the end of {log_path}" if log_path else ""
+        raise ToolError(f"{os.path.basename(cmd[0])} failed with exit code {code}{where}:\n{output[-3000:]}")
+    return output

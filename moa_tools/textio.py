@@ -1,0 +1,51 @@
+"""Reading text files line by line, and writing them so that an interrupted step leaves nothing.
+
+Lines are split on ``\\n`` only: Python's universal newlines (and fairseq's own readers) would also
+break at ``\\r``, and ``str.splitlines`` at U+2028 and friends, which corpora such as Common Crawl
+carry inside sentences.
+"""
+
+import os
+from contextlib import ExitStack, contextmanager
+from typing import IO, Iterable, Iterator, List
+
+
+def read_lines(path: str) -> Iterator[str]:
+    """The lines of a UTF-8 file, split on ``\\n`` only; undecodable bytes become U+FFFD."""
+    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
+        for line in f:
+            yield line[:-1] if line.endswith("\n") else line
+
+
+def count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 20), b""))
+
+
+@contextmanager
+def atomic_text_outputs(*paths: str) -> Iterator[List[IO[str]]]:
+    """Open each of ``paths`` for writing (UTF-8) under a ``.tmp`` name and yield the files.
+
+    When the block finishes, every file is renamed into place; if it raises (a bad path, a full disk,
+    an interrupt), every ``.tmp`` file is removed and an existing output is left as it was."""
+    temps = [path + ".tmp" for path in paths]
+    try:
+        with ExitStack() as stack:
+            yield [stack.enter_context(open(temp, "w", encoding="utf-8")) for temp in temps]
+    except BaseException:
+        for temp in temps:
+            if os.path.exists(temp):
+                os.remove(temp)
+        raise
+    for temp, path in zip(temps, paths):
+        os.replace(temp, path)
+
+
+def write_lines_atomically(path: str, lines: Iterable[str]) -> int:
+    """Write ``lines`` to ``path`` through a temporary name; returns how many were written."""
+    count = 0
+    with atomic_text_outputs(path) as (out,):
+        for line in lines:
+            out.write(line + "\n")
+            count += 1
+    return count
