@@ -1,7 +1,7 @@
 """Translation on real data, CPU: a small MoA model against a same-shape Transformer on Multi30k.
 
     .venv/bin/python benchmarks/translation_multi30k.py [--pairs en-de en-fr] [--minutes 11 | --updates N]
-    .venv/bin/python benchmarks/translation_multi30k.py --smoke     # a 3-minute version (CI runs this)
+    .venv/bin/python benchmarks/translation_multi30k.py --smoke     # a 3-minute version (the slow tests run it)
     .venv/bin/python benchmarks/translation_multi30k.py --models moa-self transformer --seeds 2 3
     .venv/bin/python benchmarks/translation_multi30k.py --combine A.json B.json --out ALL   # tables over both
     .venv/bin/python benchmarks/translation_multi30k.py --moa-config 4K4E128D   # other MoA experts
@@ -16,7 +16,7 @@ Keep the machine otherwise idle: another process on the same cores slows one mod
 The batch (--max-tokens, default 2048) and warmup (--warmup-updates, default 200) are the same for
 all models; with the defaults the 11 minutes buy about 1,000 updates. (The first runs used 4096 and
 400: about 500 updates, 400 of them in warmup, and the models stopped where the loss still fell
-steeply; see README.)
+steeply; see benchmarks/README.md.)
 The models (--models):
 
 * ``moa``: ``moa_small``, 4K8E64D (4 of 8 experts of width 64, one shared key/value head) in all
