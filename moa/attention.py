@@ -12,12 +12,11 @@ The attention core is multi-query attention with k routed query heads per
 token; the incremental-decoding cache holds the single shared head, (batch,
 length, D). Only the selected experts' projections are computed.
 
-The module follows fairseq's ``MultiheadAttention`` contract (time-first
-inputs, ``(output, weights_or_None)``, incremental state, beam reordering) so
-that fairseq's Transformer layers use it unchanged.
+The module follows fairseq's ``MultiheadAttention`` contract through
+:class:`~moa.attention_base.RoutedAttention`.
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,26 +25,20 @@ from fairseq.incremental_decoding_utils import with_incremental_state
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
+from moa.attention_base import IncrementalState, RoutedAttention, attention_bias
 from moa.experts import ExpertDispatch, ExpertLinear
-from moa.routing import Routing, TopKRouter
-
-IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+from moa.routing import TopKRouter
 
 
 @with_incremental_state
-class MixtureOfAttentionHeads(nn.Module):
+class MixtureOfAttentionHeads(RoutedAttention):
     """MoA attention with ``num_experts`` experts, ``top_k`` per token, head width ``head_dim``.
 
     Parameters: router W_g (E x d_model), W_q (d_model x E x D), W_o (E x D x d_model),
     shared W_k (kdim -> D) and W_v (vdim -> D); biases only with ``bias=True``.
 
     After each forward, ``self.routing`` holds the :class:`~moa.routing.Routing`
-    of the queries (auxiliary losses over non-padding tokens); criterions read it
-    through :func:`moa.criterions.aux_loss.pop_routings`.
-
-    Query padding: for self-attention it is ``key_padding_mask``; for
-    encoder-decoder attention the decoder sets ``query_padding_mask`` (batch,
-    tgt_len) before running its layers, since fairseq passes only key padding.
+    of the queries (auxiliary losses over non-padding tokens).
     """
 
     def __init__(
@@ -62,15 +55,13 @@ class MixtureOfAttentionHeads(nn.Module):
         encoder_decoder_attention: bool = False,
         gate_weights: str = "renormalized",
     ):
-        super().__init__()
+        super().__init__(self_attention, encoder_decoder_attention)
         self.embed_dim = embed_dim
         self.num_experts = num_experts
         self.top_k = top_k
         self.head_dim = head_dim
         self.num_heads = top_k  # fairseq's layers read .num_heads and .head_dim
         self.scaling = head_dim ** -0.5
-        self.self_attention = self_attention
-        self.encoder_decoder_attention = encoder_decoder_attention
         self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
 
         self.router = TopKRouter(embed_dim, num_experts, top_k, gate_weights)
@@ -82,9 +73,6 @@ class MixtureOfAttentionHeads(nn.Module):
             nn.init.xavier_uniform_(proj.weight)
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
-
-        self.query_padding_mask: Optional[Tensor] = None
-        self.routing: Optional[Routing] = None
 
     def forward(
         self,
@@ -114,15 +102,14 @@ class MixtureOfAttentionHeads(nn.Module):
         if embed_dim != self.embed_dim:
             raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
 
-        keys, values, key_padding_mask = self._shared_key_value(
-            key, value, key_padding_mask, incremental_state, static_kv
-        )
+        keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
+                                                               static_kv, self._project_key_value)
 
         # Route the queries; tokens are flattened time-first: n = t * bsz + b.
         x = query.reshape(tgt_len * bsz, embed_dim)
-        routing = self.router(x, self._flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
+        routing = self.router(x, self.flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
         self.routing = routing
-        bias = _attention_bias(attn_mask, key_padding_mask, query.dtype)
+        bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
         if self.top_k == self.num_experts:
             return self._forward_all_experts(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
                                              need_head_weights)
@@ -178,87 +165,11 @@ class MixtureOfAttentionHeads(nn.Module):
         probs = probs.view(bsz, top_k, tgt_len, -1)
         return o, probs.transpose(0, 1) if need_head_weights else probs.mean(dim=1)
 
-    def _shared_key_value(self, key, value, key_padding_mask, incremental_state, static_kv):
-        """Project the shared K/V head, (batch, src_len, D), through the incremental cache."""
-        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
-        if static_kv and saved is not None and "prev_key" in saved:
-            return saved["prev_key"], saved["prev_value"], key_padding_mask
-        if key is None or value is None:
-            raise ValueError("MixtureOfAttentionHeads needs key and value unless they are cached (static_kv)")
-        keys = self.k_proj(key).transpose(0, 1)
-        values = self.v_proj(value).transpose(0, 1)
-        if saved is not None:
-            if not static_kv and "prev_key" in saved:
-                prev_len = saved["prev_key"].size(1)
-                keys = torch.cat([saved["prev_key"], keys], dim=1)
-                values = torch.cat([saved["prev_value"], values], dim=1)
-                key_padding_mask = _cat_padding(saved.get("prev_key_padding_mask"), key_padding_mask,
-                                                keys.size(0), prev_len, keys.size(1) - prev_len)
-            saved["prev_key"], saved["prev_value"] = keys, values
-            if not static_kv:
-                saved["prev_key_padding_mask"] = key_padding_mask
-            self._set_input_buffer(incremental_state, saved)
-        return keys, values, key_padding_mask
-
-    def _flat_query_padding(self, key_padding_mask, incremental_state, tgt_len, bsz) -> Optional[Tensor]:
-        """(tgt_len * bsz,) bool padding of the queries, or None when unknown/none."""
-        mask = self.query_padding_mask
-        if mask is None and self.self_attention and incremental_state is None:
-            mask = key_padding_mask
-        if mask is None:
-            return None
-        if mask.shape != (bsz, tgt_len):
-            raise ValueError(f"query padding mask has shape {tuple(mask.shape)}, expected {(bsz, tgt_len)}")
-        return mask.bool().transpose(0, 1).reshape(-1)
-
-    def reorder_incremental_state(self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor):
-        """Re-index every cached tensor along the batch dimension (beam search)."""
-        buffer = self._get_input_buffer(incremental_state)
-        if buffer:
-            for name, cached in buffer.items():
-                if cached is not None:
-                    buffer[name] = cached.index_select(0, new_order)
-            incremental_state = self._set_input_buffer(incremental_state, buffer)
-        return incremental_state
-
-    def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
-        result = self.get_incremental_state(incremental_state, "attn_state")
-        return result if result is not None else {}
-
-    def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
-        return self.set_incremental_state(incremental_state, "attn_state", buffer)
+    def _project_key_value(self, key: Tensor, value: Tensor):
+        """The one shared K/V head: (src_len, batch, dim) -> (batch, src_len, D) each."""
+        return self.k_proj(key).transpose(0, 1), self.v_proj(value).transpose(0, 1)
 
     def extra_repr(self) -> str:
         return (f"{self.top_k}K{self.num_experts}E{self.head_dim}D, embed_dim={self.embed_dim}, "
                 f"self_attention={self.self_attention}, encoder_decoder_attention={self.encoder_decoder_attention}")
 
-
-def _cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int):
-    """Concatenate cached and new key padding masks (batch, len); None when neither has padding."""
-    if prev is None and new is None:
-        return None
-    device = (prev if prev is not None else new).device
-    if prev is None:
-        prev = torch.zeros(bsz, prev_len, dtype=torch.bool, device=device)
-    if new is None:
-        new = torch.zeros(bsz, new_len, dtype=torch.bool, device=device)
-    return torch.cat([prev.bool(), new.bool()], dim=1)
-
-
-def _attention_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]:
-    """fairseq's masks as one additive bias: attn_mask (T, S) float (-inf blocks) or bool
-    (True blocks), key_padding_mask (B, S) (True/1 at padding) -> (1 or B, 1, T or 1, S)."""
-    bias = None
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            bias = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
-                attn_mask, float("-inf"))
-        else:
-            bias = attn_mask.to(dtype)
-        bias = bias[None, None]
-    if key_padding_mask is not None:
-        padding = key_padding_mask.bool()[:, None, None, :]
-        if bias is None:
-            bias = torch.zeros(padding.shape, dtype=dtype, device=padding.device)
-        bias = bias.masked_fill(padding, float("-inf"))
-    return bias
