@@ -1,4 +1,6 @@
-"""Top-k routing of tokens to attention experts (MoA, Zhang et al. 2022, Sec. 3.1-3.2).
+"""Routing tokens to attention experts (MoA) and to attention heads (MoH).
+
+MoA (Zhang et al. 2022, Sec. 3.1-3.2): :class:`TopKRouter`.
 
 For a token x_t the router computes logits ``x_t W_g`` in float32, the
 probabilities ``p_t = softmax(x_t W_g)`` over E experts, keeps the k largest
@@ -14,6 +16,9 @@ the non-padding tokens only:
   (token, slot) assignments that go to expert i and ``P_i`` the mean router
   probability of expert i;
 * router z-loss ``L_z = mean_t (logsumexp_i logit_{t,i})^2``.
+
+MoH (Jin et al. 2025, Sec. 3.2): :class:`TwoStageHeadRouter`, shared heads always on and top-K of
+the routed heads, weighted by a second stage that mixes the two groups (see its docstring).
 """
 
 from dataclasses import dataclass
@@ -24,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 GATE_WEIGHTS = ("renormalized", "raw")
+HEAD_GATE_SCALES = ("unit", "softmax")
+BALANCE_LOSSES = ("paper", "experts-scaled")
 
 
 @dataclass
@@ -47,6 +54,7 @@ class TopKRouter(nn.Module):
     """Routes each of N tokens (N, embed_dim) to ``top_k`` of ``num_experts`` experts."""
 
     def __init__(self, embed_dim: int, num_experts: int, top_k: int, gate_weights: str = "renormalized"):
+        # logits in float32 at least, see router_dtype
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be between 1 and num_experts, got top_k={top_k}, num_experts={num_experts}")
@@ -60,7 +68,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Routing:
         """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding."""
-        logits = F.linear(x.float(), self.weight.float())  # (N, E), float32 as in the paper's code
+        logits = F.linear(x.to(router_dtype(x)), self.weight.to(router_dtype(x)))  # (N, E)
         probs = logits.softmax(dim=-1)
         top_probs, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
         if self.gate_weights == "renormalized":
@@ -71,6 +79,12 @@ class TopKRouter(nn.Module):
         l_a, load = load_balancing_loss(probs, experts, keep)
         l_z = router_z_loss(logits, keep)
         return Routing(experts, weights.to(x.dtype), l_a, l_z, load)
+
+
+def router_dtype(x: Tensor) -> torch.dtype:
+    """Router logits and softmax run in float32 (as in both papers' code) or wider: float64 inputs
+    keep float64, so that tests can compare with references exactly."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _token_count(probs: Tensor, keep: Optional[Tensor]) -> Tensor:
@@ -102,3 +116,99 @@ def router_z_loss(logits: Tensor, keep: Optional[Tensor] = None) -> Tensor:
     if keep is None:
         return z.mean() if z.numel() else z.sum()
     return (z * keep).sum() / _token_count(logits, keep)
+
+
+@dataclass
+class HeadRouting:
+    """The MoH routing decision for N tokens over h = h_s shared + E routed heads.
+
+    shared_gates: (N, h_s) gates of the shared heads, or None when h_s = 0.
+    heads: (N, K) int64, the selected routed heads (0..E-1, most probable first), or None when K = 0.
+    routed_gates: (N, K) their gates, or None. Gates are in the input's dtype.
+    balance_loss: scalar L_b (float32); head_load: (E,) float32 (token, slot) assignments per
+    routed head, padding excluded; mean_alpha_shared: scalar mean alpha1 over real tokens.
+    """
+
+    shared_gates: Optional[Tensor]
+    heads: Optional[Tensor]
+    routed_gates: Optional[Tensor]
+    balance_loss: Tensor
+    head_load: Tensor
+    mean_alpha_shared: Tensor
+    active_fraction: float
+
+
+class TwoStageHeadRouter(nn.Module):
+    """MoH's router for a module of ``num_heads`` heads, the first ``shared_heads`` always active.
+
+    From the query token x_t, with W_s (h_s x d), W_r (E x d), W_h (2 x d), no biases, float32:
+    ``[alpha1, alpha2] = softmax(W_h x_t)``; shared head i gets ``alpha1 softmax(W_s x_t)_i``;
+    the top-K routed heads by ``p = softmax(W_r x_t)`` get ``alpha2 p_i``, the others 0 (paper,
+    Eq. 5-6: ``gate_scale="softmax"``). ``gate_scale="unit"`` is the released code's scaling:
+    routed gates ``2 alpha2 K p_i / sum_{j in TopK} p_j`` (the denominator not detached), shared
+    gates ``2 alpha1 h_s softmax(W_s x_t)_i``, so uniform routers give every active head a gate of
+    exactly 1 and the module equals multi-head attention over the active heads. With only one group
+    (h_s = 0 or K = 0) there is no W_h and no alpha (the factor 2 goes too).
+
+    Load balance over the routed heads and non-padding tokens, with ``P_i`` the mean of p_i and
+    ``f_i`` the share of tokens that select head i (sum_i f_i = K): ``L_b = sum_i P_i f_i``
+    (``balance_loss="paper"``, Eq. 7) or ``E sum_i P_i f_i`` (``"experts-scaled"``, the released
+    code: K at uniform routing).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, shared_heads: int, top_k: int, gate_scale: str = "unit",
+                 balance_loss: str = "paper"):
+        super().__init__()
+        routed = num_heads - shared_heads
+        if not 0 <= shared_heads <= num_heads:
+            raise ValueError(f"shared_heads must be between 0 and num_heads={num_heads}, got {shared_heads}")
+        if not (1 <= top_k <= routed if routed else top_k == 0):
+            raise ValueError(f"top_k must be between 1 and the {routed} routed heads, got {top_k}" if routed else
+                             f"top_k must be 0 when every one of the {num_heads} heads is shared, got {top_k}")
+        if gate_scale not in HEAD_GATE_SCALES:
+            raise ValueError(f"gate_scale must be one of {HEAD_GATE_SCALES}, got {gate_scale!r}")
+        if balance_loss not in BALANCE_LOSSES:
+            raise ValueError(f"balance_loss must be one of {BALANCE_LOSSES}, got {balance_loss!r}")
+        self.num_heads, self.shared_heads, self.routed_heads, self.top_k = num_heads, shared_heads, routed, top_k
+        self.gate_scale, self.balance_loss = gate_scale, balance_loss
+        self.shared = nn.Linear(embed_dim, shared_heads, bias=False) if shared_heads else None  # W_s
+        self.routed = nn.Linear(embed_dim, routed, bias=False) if routed else None  # W_r
+        self.mix = nn.Linear(embed_dim, 2, bias=False) if shared_heads and top_k else None  # W_h
+        for linear in (self.shared, self.routed, self.mix):
+            if linear is not None:
+                nn.init.normal_(linear.weight, std=embed_dim ** -0.5)
+
+    @property
+    def active_fraction(self) -> float:
+        return (self.shared_heads + self.top_k) / self.num_heads
+
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> HeadRouting:
+        """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding."""
+        x32 = x.to(router_dtype(x))
+        unit = self.gate_scale == "unit"
+        keep = None if padding_mask is None else (~padding_mask).to(x32.dtype)
+        shared = routed = heads = None
+        balance, load = x32.new_zeros(()), x32.new_zeros(self.routed_heads)
+        if self.shared is not None:
+            shared = F.linear(x32, self.shared.weight.to(x32.dtype)).softmax(dim=-1)
+            if unit:
+                shared = shared * self.shared_heads
+        if self.top_k:
+            probs = F.linear(x32, self.routed.weight.to(x32.dtype)).softmax(dim=-1)  # (N, E)
+            top_probs, heads = probs.topk(self.top_k, dim=-1)
+            routed = self.top_k * top_probs / top_probs.sum(dim=-1, keepdim=True).clamp(min=1e-9) if unit \
+                else top_probs
+            l_a, load = load_balancing_loss(probs, heads, keep)  # E sum P f with sum f = 1
+            balance = l_a * self.top_k * (1.0 if self.balance_loss == "experts-scaled" else 1.0 / self.routed_heads)
+        if self.mix is not None:
+            alphas = F.linear(x32, self.mix.weight.to(x32.dtype)).softmax(dim=-1)  # (N, 2)
+            alpha_shared = alphas[:, 0]
+            if unit:
+                alphas = 2 * alphas
+            shared, routed = shared * alphas[:, :1], routed * alphas[:, 1:]
+        else:
+            alpha_shared = x32.new_full((x32.size(0),), 1.0 if self.shared_heads else 0.0)
+        n = _token_count(x32, keep)
+        mean_alpha = (alpha_shared if keep is None else alpha_shared * keep).sum() / n
+        cast = (lambda g: None if g is None else g.to(x.dtype))
+        return HeadRouting(cast(shared), heads, cast(routed), balance, load, mean_alpha, self.active_fraction)

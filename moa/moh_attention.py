@@ -1,0 +1,251 @@
+"""Mixture-of-Head attention (MoH, Jin et al. 2025, Sec. 3.2).
+
+The h heads of ordinary multi-head attention are the experts: the first h_s are shared (always
+active), and of the other E = h - h_s routed heads a router picks the top-K per token (see
+:class:`~moa.routing.TwoStageHeadRouter` for the gates g). For a query token x_t:
+
+    q_{t,i} = x_t W_Q^i,  K_i = X W_K^i,  V_i = X W_V^i          (every head's K/V, once per token)
+    H_{t,i} = softmax(q_{t,i} K_i^T / sqrt(D)) V_i
+    y_t = sum_i g_{t,i} H_{t,i} W_O^i + b_O                       (gate before the output projection)
+
+Parameters keep fairseq's ``MultiheadAttention`` names and shapes (``q_proj``, ``k_proj``,
+``v_proj``, ``out_proj``, with biases), so a Transformer checkpoint's attention weights load
+unchanged; the router adds d_model * (h + 2) weights.
+
+Only active (token, head) pairs cost work. The shared heads run as ordinary multi-head attention.
+For the routed heads, the (token, slot) assignments are packed per (batch row, head): each group
+holds the selected queries of one row for one head, in time order, padded to the longest group of
+the batch (not to the sequence length), and attends over that head's keys with a mask built from
+the queries' positions (causal and padding masks stay exact). The query and output projections of
+the routed heads go through :func:`~moa.experts.expert_linear`, so an unselected head's W_Q^i and
+W_O^i are never applied to that token. ``compute_all_heads = True`` computes every head and
+multiplies by the gates, zero for unselected heads, as the released code does; it is kept as the
+test reference, and used when every routed head is active anyway (K = E).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from fairseq import utils
+from fairseq.incremental_decoding_utils import with_incremental_state
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from torch import Tensor, nn
+
+from moa.attention_base import IncrementalState, RoutedAttention, attention_bias
+from moa.experts import expert_linear
+from moa.routing import HeadRouting, TwoStageHeadRouter
+
+
+class HeadPacking:
+    """Where each (token, slot) assignment to a routed head goes in the packed attention layout.
+
+    heads: (N, K) selected routed head per slot, tokens flattened time-first (n = t * bsz + b).
+    The layout is (bsz, E, length, D): group (b, e) holds, in time order, the queries of row b
+    that selected head e, ``length`` being the largest group. Sorted by head, assignment p is
+    token ``token[p]`` and packed row ``packed_row[p]``; ``order[p]`` is the assignment index
+    n * K + j. ``position`` (bsz, E, length) is each packed row's time step (empty rows: the
+    last one, so that they see some key and stay finite). One host sync for all the sizes.
+    """
+
+    def __init__(self, heads: Tensor, num_heads: int, tgt_len: int, bsz: int):
+        num_tokens, top_k = heads.shape
+        flat = heads.reshape(-1)
+        token = torch.arange(num_tokens, device=heads.device).repeat_interleave(top_k)
+        t, b = token // bsz, token % bsz
+        group = b * num_heads + flat
+        by_group = group.argsort(stable=True)  # within a group: token order, i.e. time order
+        counts = torch.bincount(group, minlength=bsz * num_heads)
+        sizes = torch.cat([counts.max().view(1), torch.bincount(flat, minlength=num_heads)]).tolist()
+        self.length, self.group_sizes = sizes[0], sizes[1:]
+        sorted_group = group[by_group]
+        rank = torch.arange(flat.numel(), device=heads.device) - (counts.cumsum(0) - counts)[sorted_group]
+        packed_row = torch.empty_like(flat)
+        packed_row[by_group] = sorted_group * self.length + rank
+        position = torch.full((bsz * num_heads * self.length,), tgt_len - 1, dtype=torch.long, device=heads.device)
+        position[packed_row] = t
+        self.position = position.view(bsz, num_heads, self.length)
+        self.order = flat.argsort(stable=True)  # by head, for the projections
+        self.token = token[self.order]
+        self.packed_row = packed_row[self.order]
+        self.batch_time_row = (b * tgt_len + t)[self.order]  # row of (bsz * tgt_len) weights
+        self.num_packed_rows = bsz * num_heads * self.length
+
+
+@with_incremental_state
+class MixtureOfHeadsAttention(RoutedAttention):
+    """MoH attention: ``num_heads`` heads of width embed_dim / num_heads, ``shared_heads`` always
+    active, ``top_k`` of the rest per token. ``gate_scale`` and ``balance_loss``: see
+    :class:`~moa.routing.TwoStageHeadRouter`.
+
+    After each forward, ``self.routing`` holds the :class:`~moa.routing.HeadRouting` of the queries.
+    """
+
+    time_dim = 2  # cached keys/values: (batch, heads, len, D), as fairseq's MultiheadAttention
+
+    def __init__(self, embed_dim: int, num_heads: int, shared_heads: int, top_k: int, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, dropout: float = 0.0, bias: bool = True, self_attention: bool = False,
+                 encoder_decoder_attention: bool = False, gate_scale: str = "unit", balance_loss: str = "paper"):
+        super().__init__(self_attention, encoder_decoder_attention)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.shared_heads, self.top_k = shared_heads, top_k
+        self.scaling = self.head_dim ** -0.5
+        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
+        self.router = TwoStageHeadRouter(embed_dim, num_heads, shared_heads, top_k, gate_scale, balance_loss)
+        self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        gain = 2 ** -0.5 if (kdim or embed_dim) == embed_dim == (vdim or embed_dim) else 1.0  # as fairseq's MHA
+        for proj in (self.k_proj, self.v_proj, self.q_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if bias:
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        self.compute_all_heads = False
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """query: (tgt_len, batch, embed_dim); key/value: (src_len, batch, kdim/vdim).
+
+        key_padding_mask: (batch, src_len), True/1 at padding. attn_mask: (tgt_len, src_len),
+        additive float (fairseq's -inf future mask) or bool (True = blocked). Returns output
+        (tgt_len, batch, embed_dim) and, when asked for, attention weights averaged over each
+        token's active heads (batch, tgt_len, src_len), or every head's (num_heads, batch,
+        tgt_len, src_len) with ``need_head_weights`` (computed for all heads).
+        """
+        if before_softmax:
+            raise NotImplementedError("MixtureOfHeadsAttention does not return pre-softmax scores")
+        tgt_len, bsz, embed_dim = query.shape
+        if embed_dim != self.embed_dim:
+            raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
+        keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
+                                                               static_kv, self._project_key_value)
+        x = query.reshape(tgt_len * bsz, embed_dim)
+        routing = self.router(x, self.flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
+        self.routing = routing
+        bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
+        if self.compute_all_heads or need_head_weights or self.top_k == self.router.routed_heads:
+            y, weights = self._forward_all_heads(x, routing, keys, values, bias, tgt_len, bsz,
+                                                 need_weights or need_head_weights, need_head_weights)
+        else:
+            y, weights = self._forward_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights)
+        if self.out_proj.bias is not None:
+            y = y + self.out_proj.bias
+        return y.view(tgt_len, bsz, embed_dim), weights
+
+    def _forward_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights):
+        """Shared heads as multi-head attention; routed heads packed per (batch row, head)."""
+        h_s, d = self.shared_heads, self.head_dim
+        y, weight_sum = x.new_zeros(x.size(0), self.embed_dim), None
+        if h_s:
+            q = F.linear(x, self.q_proj.weight[:h_s * d], _rows(self.q_proj.bias, h_s * d))
+            q = q.view(tgt_len, bsz, h_s, d).permute(1, 2, 0, 3)
+            o, weights = self._attend(q, keys[:, :h_s], values[:, :h_s], bias, need_weights)
+            o = o * routing.shared_gates.view(tgt_len, bsz, h_s).permute(1, 2, 0).unsqueeze(-1)
+            y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, h_s * d), self.out_proj.weight[:, :h_s * d])
+            if need_weights:
+                weight_sum = weights.sum(dim=1)  # (B, T, S)
+        if self.top_k:
+            e = self.router.routed_heads
+            plan = HeadPacking(routing.heads, e, tgt_len, bsz)
+            q_weight = self.q_proj.weight[h_s * d:].view(e, d, -1).transpose(1, 2)  # (E, C, D), a view
+            q_bias = None if self.q_proj.bias is None else self.q_proj.bias[h_s * d:].view(e, d)
+            q = expert_linear(x, q_weight, q_bias, plan.token, plan.packed_row, plan.group_sizes,
+                              plan.num_packed_rows).view(bsz, e, plan.length, d)
+            o, weights = self._attend(q, keys[:, h_s:], values[:, h_s:], _packed_bias(bias, plan.position),
+                                      need_weights)
+            o_weight = self.out_proj.weight[:, h_s * d:].view(-1, e, d).permute(1, 2, 0)  # (E, D, C), a view
+            gates = routing.routed_gates.reshape(-1)[plan.order]
+            y = y + expert_linear(o.reshape(-1, d), o_weight, None, plan.packed_row, plan.token, plan.group_sizes,
+                                  x.size(0), scale=gates)
+            if need_weights:
+                routed = weights.reshape(plan.num_packed_rows, -1).new_zeros(bsz * tgt_len, weights.size(-1))
+                routed.index_add_(0, plan.batch_time_row, weights.reshape(plan.num_packed_rows, -1)[plan.packed_row])
+                routed = routed.view(bsz, tgt_len, -1)
+                weight_sum = routed if weight_sum is None else weight_sum + routed
+        weights = weight_sum / (h_s + self.top_k) if need_weights else None
+        return y, weights
+
+    def _forward_all_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
+                           need_head_weights):
+        """Every head computed, then scaled by its gate (zero for unselected routed heads)."""
+        gates = self.full_gates(routing)  # (N, h)
+        q = self.q_proj(x).view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        o, weights = self._attend(q, keys, values, bias, need_weights)
+        o = o * gates.view(tgt_len, bsz, self.num_heads).permute(1, 2, 0).unsqueeze(-1)
+        y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, self.embed_dim), self.out_proj.weight)
+        if not need_weights:
+            return y, None
+        if need_head_weights:
+            return y, weights.transpose(0, 1)
+        active = gates.ne(0).to(weights.dtype).view(tgt_len, bsz, self.num_heads).permute(1, 2, 0).unsqueeze(-1)
+        return y, (weights * active).sum(dim=1) / (self.shared_heads + self.top_k)
+
+    def full_gates(self, routing: HeadRouting) -> Tensor:
+        """(N, num_heads) gate of every head, zero for the routed heads a token did not select."""
+        known = routing.shared_gates if routing.shared_gates is not None else routing.routed_gates
+        gates = [] if routing.shared_gates is None else [routing.shared_gates]
+        if self.router.routed_heads:
+            routed = known.new_zeros(known.size(0), self.router.routed_heads)
+            if routing.heads is not None:
+                routed = routed.scatter(1, routing.heads, routing.routed_gates)
+            gates.append(routed)
+        return torch.cat(gates, dim=1)
+
+    def _attend(self, q, keys, values, bias, need_weights: bool):
+        """q: (B, H, L, D); keys, values: (B, H, S, D); bias: additive, broadcastable to (B, H, L, S).
+        Returns o (B, H, L, D) and, with ``need_weights``, the probabilities (B, H, L, S)."""
+        if not need_weights:
+            dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
+                                                  scale=self.scaling), None
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling
+        if bias is not None:
+            scores = scores + bias
+        probs = utils.softmax(scores, dim=-1).type_as(scores)
+        return torch.matmul(self.dropout_module(probs), values), probs
+
+    def _project_key_value(self, key: Tensor, value: Tensor):
+        """Every head's keys and values: (src_len, batch, dim) -> (batch, heads, src_len, D) each."""
+        src_len, bsz = key.shape[:2]
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(src_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+        return heads(self.k_proj(key)), heads(self.v_proj(value))
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads} (shared {self.shared_heads}, top-{self.top_k} of "
+                f"{self.router.routed_heads} routed), head_dim={self.head_dim}, gate_scale={self.router.gate_scale}, "
+                f"self_attention={self.self_attention}, encoder_decoder_attention={self.encoder_decoder_attention}")
+
+
+def _rows(bias: Optional[Tensor], n: int) -> Optional[Tensor]:
+    return None if bias is None else bias[:n]
+
+
+def _packed_bias(bias: Optional[Tensor], position: Tensor) -> Optional[Tensor]:
+    """The additive mask of the packed routed queries. bias: (1 or B, 1, T or 1, S) from
+    :func:`attention_bias`; position: (B, E, L) time step of each packed query. A per-query mask
+    (causal) becomes each packed query's row, (B, E, L, S); key padding alone is the same for
+    every row and stays as it is."""
+    if bias is None or bias.size(2) == 1:
+        return bias
+    rows = bias[:, 0]  # (1 or B, T, S)
+    batch = torch.arange(position.size(0), device=position.device).view(-1, 1, 1) if rows.size(0) > 1 else 0
+    return rows[batch, position]

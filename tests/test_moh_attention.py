@@ -1,0 +1,214 @@
+"""MixtureOfHeadsAttention against a slow reference written from the paper's equations, loops over
+tokens and heads; fairseq's MultiheadAttention as the limit case; incremental decoding; L_b."""
+
+import math
+
+import pytest
+import torch
+from fairseq.modules.multihead_attention import MultiheadAttention
+
+from moa.moh_attention import MixtureOfHeadsAttention
+from moa.routing import TwoStageHeadRouter
+
+
+def reference_gates(m: MixtureOfHeadsAttention, x):
+    """One token's gate per head, from the equations (Sec. 3.2) or the released code's scaling."""
+    r = m.router
+    unit = r.gate_scale == "unit"
+    gates = torch.zeros(m.num_heads, dtype=x.dtype)
+    alpha = torch.ones(2, dtype=x.dtype)
+    if r.shared_heads and r.top_k:
+        alpha = torch.softmax(r.mix.weight @ x, dim=0) * (2 if unit else 1)
+    if r.shared_heads:
+        s = torch.softmax(r.shared.weight @ x, dim=0) * (r.shared_heads if unit else 1)
+        gates[:r.shared_heads] = alpha[0] * s
+    if r.top_k:
+        p = torch.softmax(r.routed.weight @ x, dim=0)
+        top_p, top_i = p.topk(r.top_k)
+        routed = r.top_k * top_p / top_p.sum() if unit else top_p
+        for g, i in zip(routed, top_i.tolist()):
+            gates[r.shared_heads + i] = alpha[1] * g
+    return gates
+
+
+def reference_moh(m: MixtureOfHeadsAttention, query, key, value, key_padding_mask=None, attn_mask=None):
+    """y_t = b_O + sum_i g_{t,i} softmax(q_{t,i} K_i^T / sqrt(D)) V_i W_O^i, token by token, head by head."""
+    tgt_len, bsz, _ = query.shape
+    d = m.head_dim
+    out = torch.zeros_like(query)
+    for b in range(bsz):
+        keys = key[:, b] @ m.k_proj.weight.T + m.k_proj.bias
+        values = value[:, b] @ m.v_proj.weight.T + m.v_proj.bias
+        for t in range(tgt_len):
+            x = query[t, b]
+            gates = reference_gates(m, x)
+            y = m.out_proj.bias.clone()
+            for i in range(m.num_heads):
+                if gates[i] == 0:
+                    continue
+                cols = slice(i * d, (i + 1) * d)
+                q = x @ m.q_proj.weight[cols].T + m.q_proj.bias[cols]
+                scores = (keys[:, cols] @ q) * d ** -0.5
+                if key_padding_mask is not None:
+                    scores = scores.masked_fill(key_padding_mask[b].bool(), float("-inf"))
+                if attn_mask is not None:
+                    scores = scores + attn_mask[t]
+                head = torch.softmax(scores, dim=0) @ values[:, cols]
+                y = y + gates[i] * (head @ m.out_proj.weight[:, cols].T)
+            out[t, b] = y
+    return out
+
+
+def _module(num_heads, shared, top_k, gate_scale="unit", embed_dim=24, **kw):
+    torch.manual_seed(3)
+    m = MixtureOfHeadsAttention(embed_dim, num_heads, shared, top_k, gate_scale=gate_scale, **kw).double()
+    with torch.no_grad():
+        for p in (m.q_proj.bias, m.k_proj.bias, m.v_proj.bias, m.out_proj.bias):
+            p.normal_()  # non-zero biases, so that their gradients are checked too
+    return m
+
+
+def _check(m, query, key, value, **masks):
+    params = list(m.parameters())
+    inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
+    probe = torch.randn_like(query)
+    got, _ = m(*inputs, need_weights=False, **masks)
+    got_grads = torch.autograd.grad((got * probe).sum(), params + inputs, allow_unused=True)
+    ref_inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
+    want = reference_moh(m, *ref_inputs, **masks)
+    want_grads = torch.autograd.grad((want * probe).sum(), params + ref_inputs, allow_unused=True)
+    tol = dict(rtol=1e-9, atol=1e-10)  # float64 inputs: the router runs in float64 too
+    torch.testing.assert_close(got, want, **tol)
+    with torch.no_grad():  # the path that returns weights: the same output (its softmax is fairseq's float32 one)
+        torch.testing.assert_close(m(query, key, value, need_weights=True, **masks)[0], got.detach(),
+                                   rtol=1e-5, atol=1e-6)
+    names = [n for n, _ in m.named_parameters()] + ["query", "key", "value"]
+    for name, g, w in zip(names, got_grads, want_grads):
+        assert g is not None and w is not None, name
+        torch.testing.assert_close(g, w, **tol, msg=lambda msg: f"gradient of {name}: {msg}")
+
+
+CONFIGS = [(8, 2, 3), (8, 4, 2), (6, 0, 2), (4, 1, 1), (4, 4, 0), (4, 1, 3)]
+
+
+@pytest.mark.parametrize("gate_scale", ["unit", "softmax"])
+@pytest.mark.parametrize("heads, shared, top_k", CONFIGS, ids=[f"h{h}-s{s}-k{k}" for h, s, k in CONFIGS])
+def test_self_attention_with_padding_matches_the_reference(heads, shared, top_k, gate_scale):
+    m = _module(heads, shared, top_k, gate_scale, self_attention=True)
+    x = torch.randn(6, 3, 24, dtype=torch.double)
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[0, 4:] = True
+    padding[2, :1] = True  # left padding, as fairseq pads source sentences
+    _check(m, x, x, x, key_padding_mask=padding)
+
+
+@pytest.mark.parametrize("gate_scale", ["unit", "softmax"])
+@pytest.mark.parametrize("heads, shared, top_k", CONFIGS[:3], ids=[f"h{h}-s{s}-k{k}" for h, s, k in CONFIGS[:3]])
+def test_causal_self_attention_matches_the_reference(heads, shared, top_k, gate_scale):
+    m = _module(heads, shared, top_k, gate_scale, self_attention=True)
+    x = torch.randn(7, 2, 24, dtype=torch.double)
+    future = torch.triu(torch.full((7, 7), float("-inf"), dtype=torch.double), 1)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, 5:] = True
+    _check(m, x, x, x, key_padding_mask=padding, attn_mask=future)
+
+
+def test_cross_attention_matches_the_reference():
+    m = _module(8, 2, 3, kdim=16, vdim=16, encoder_decoder_attention=True)
+    query = torch.randn(5, 2, 24, dtype=torch.double)
+    memory = torch.randn(9, 2, 16, dtype=torch.double)
+    padding = torch.zeros(2, 9, dtype=torch.bool)
+    padding[0, :3] = True
+    _check(m, query, memory, memory, key_padding_mask=padding)
+
+
+def test_active_heads_path_equals_computing_every_head():
+    m = _module(8, 2, 3, self_attention=True)
+    x = torch.randn(11, 4, 24, dtype=torch.double)
+    future = torch.triu(torch.full((11, 11), float("-inf"), dtype=torch.double), 1)
+    sparse, sparse_weights = m(x, x, x, attn_mask=future, need_weights=True)
+    m.compute_all_heads = True
+    dense, dense_weights = m(x, x, x, attn_mask=future, need_weights=True)
+    torch.testing.assert_close(sparse, dense)
+    torch.testing.assert_close(sparse_weights, dense_weights)
+    torch.testing.assert_close(sparse_weights.sum(-1), torch.ones(4, 11, dtype=torch.double))
+
+
+def test_every_head_active_with_uniform_routers_is_fairseqs_multihead_attention():
+    torch.manual_seed(0)
+    mha = MultiheadAttention(32, 4, self_attention=True).double().eval()
+    m = MixtureOfHeadsAttention(32, 4, 1, 3, self_attention=True).double().eval()  # released scaling
+    missing = m.load_state_dict(mha.state_dict(), strict=False)
+    assert sorted(missing.missing_keys) == ["router.mix.weight", "router.routed.weight", "router.shared.weight"]
+    assert not missing.unexpected_keys
+    with torch.no_grad():
+        for p in m.router.parameters():
+            p.zero_()  # uniform routing: every active gate is exactly 1
+    x = torch.randn(6, 3, 32, dtype=torch.double)
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    want, _ = mha(x, x, x, key_padding_mask=padding, need_weights=False)
+    got, _ = m(x, x, x, key_padding_mask=padding, need_weights=False)
+    torch.testing.assert_close(got, want)
+    assert sum(p.numel() for p in m.router.parameters()) == 32 * (4 + 2)
+
+
+def test_incremental_decoding_equals_the_causal_forward_also_after_a_beam_reorder():
+    m = _module(8, 2, 2, self_attention=True).eval()
+    x = torch.randn(6, 4, 24, dtype=torch.double)
+    future = torch.triu(torch.full((6, 6), float("-inf"), dtype=torch.double), 1)
+    full, _ = m(x, x, x, attn_mask=future, need_weights=False)
+    state, steps = {}, []
+    for t in range(6):
+        step = x[t:t + 1]
+        y, _ = m(step, step, step, incremental_state=state, need_weights=False)
+        steps.append(y)
+    torch.testing.assert_close(torch.cat(steps), full)
+    assert m._get_input_buffer(state)["prev_key"].shape == (4, 8, 6, 3)  # every head is cached
+    order = torch.tensor([2, 0, 3, 1])
+    m.reorder_incremental_state(state, order)
+    x_next = torch.randn(1, 4, 24, dtype=torch.double)
+    y, _ = m(x_next, x_next, x_next, incremental_state=state, need_weights=False)
+    reordered = torch.cat([x[:, order], x_next])
+    mask = torch.triu(torch.full((7, 7), float("-inf"), dtype=torch.double), 1)
+    want, _ = m(reordered, reordered, reordered, attn_mask=mask, need_weights=False)
+    torch.testing.assert_close(y, want[-1:])
+
+
+def _softmax(row):
+    z = sum(math.exp(v) for v in row)
+    return [math.exp(v) / z for v in row]
+
+
+@pytest.mark.parametrize("balance_loss, scale", [("paper", 1), ("experts-scaled", 3)])
+def test_balance_loss_matches_hand_computation_and_ignores_padding(balance_loss, scale):
+    router = TwoStageHeadRouter(3, num_heads=4, shared_heads=1, top_k=1, balance_loss=balance_loss)
+    with torch.no_grad():
+        router.routed.weight.copy_(torch.eye(3))  # routed logits = x
+    tokens = [[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [3.0, 0.0, 1.0], [0.0, 0.0, 2.0]]
+    probs = [_softmax(t) for t in tokens]
+    f = [2 / 4, 1 / 4, 1 / 4]  # tokens 1 and 3 select head 0, token 2 head 1, token 4 head 2
+    mean_p = [sum(p[i] for p in probs) / 4 for i in range(3)]
+    want = scale * sum(fi * pi for fi, pi in zip(f, mean_p))
+    routing = router(torch.tensor(tokens))
+    assert routing.heads.flatten().tolist() == [0, 1, 0, 2]
+    assert routing.balance_loss.item() == pytest.approx(want, rel=1e-6)
+    assert routing.head_load.tolist() == [2.0, 1.0, 1.0]
+    padded = router(torch.tensor(tokens + [[9.0, -3.0, 5.0]] * 2),
+                    torch.tensor([False] * 4 + [True] * 2))
+    assert padded.balance_loss.item() == pytest.approx(want, rel=1e-6)
+    assert padded.head_load.tolist() == [2.0, 1.0, 1.0]
+    uniform = TwoStageHeadRouter(3, 4, 1, 1, balance_loss=balance_loss)
+    torch.nn.init.zeros_(uniform.routed.weight)
+    assert uniform(torch.randn(6, 3)).balance_loss.item() == pytest.approx(scale * 1 / 3)  # K/E, or K
+
+
+def test_bad_head_counts_are_refused():
+    with pytest.raises(ValueError, match="top_k must be between 1 and the 4 routed heads, got 5"):
+        TwoStageHeadRouter(8, 4, 0, 5)
+    with pytest.raises(ValueError, match="top_k must be between 1 and the 2 routed heads, got 0"):
+        TwoStageHeadRouter(8, 4, 2, 0)
+    with pytest.raises(ValueError, match="shared_heads must be between 0 and num_heads=4"):
+        TwoStageHeadRouter(8, 4, 5, 0)
+    with pytest.raises(ValueError, match="not divisible"):
+        MixtureOfHeadsAttention(30, 4, 1, 1)
