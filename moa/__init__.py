@@ -1,7 +1,7 @@
 """moa: Mixture-of-Attention-heads models for fairseq (``fairseq-train --user-dir moa``).
 
-Importing the package registers the ``moa_transformer`` and ``moa_roberta`` models and their
-archs, the ``moa_label_smoothed_cross_entropy`` and ``moa_masked_lm`` criterions, and the
+Importing the package registers the ``moa_transformer``, ``moa_roberta``, ``moh_transformer`` and
+``moh_roberta`` models and their archs, the ``moa_label_smoothed_cross_entropy`` and ``moa_masked_lm`` criterions, and the
 allow-list that torch's safe checkpoint loader needs for fairseq checkpoints. The data
 preparation and scoring tools are the separate ``moa_tools`` package.
 """
@@ -11,4 +11,4 @@ from moa.checkpoint_safety import allow_fairseq_checkpoint_globals
 allow_fairseq_checkpoint_globals()
 
 from moa import criterions  # noqa: E402,F401
-from moa.models import moa_roberta, moa_transformer  # noqa: E402,F401
+from moa.models import moa_roberta, moa_transformer, moh_roberta, moh_transformer  # noqa: E402,F401

@@ -7,7 +7,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 
 from conftest import TINY, build_model
 from moa.attention import MixtureOfAttentionHeads
-from moa.criterions.aux_loss import pop_routings
+
 
 
 def _count(model):
@@ -82,7 +82,7 @@ def test_criterion_adds_aux_losses_with_exact_per_token_weights():
     model = build_model("moa_small", 40, TINY)
     sample = _sample(model.decoder.padding_idx)
     model(**sample["net_input"])  # dropout is 0: the criterion's forwards route identically
-    routings = pop_routings(model)
+    routings = model.pop_routings()
     base_loss, sample_size, base_log = _criterion(model, 0.0, 0.0)(model, sample)
     assert len(routings) == 6  # 2 encoder self + 2 decoder self + 2 cross
     loss, sample_size2, log = _criterion(model, 0.01, 0.001)(model, sample)

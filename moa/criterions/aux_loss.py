@@ -1,10 +1,14 @@
-"""MoA's auxiliary losses inside a fairseq criterion (paper Sec. 3.3).
+"""The routers' auxiliary losses inside a fairseq criterion, for MoA and MoH modules alike.
 
-Total loss per token: ``L_task + sum over MoA modules of (alpha L_a + beta L_z)``.
-fairseq sums the task loss over the batch and divides the gradient by
-``sample_size``, so the auxiliary part is added as ``sample_size * (...)``:
-after the division its weight on the per-token loss is exactly alpha and beta
-(the authors' code adds it unscaled, weakening it by the batch's token count).
+Total loss per token: ``L_task + sum over MoA modules of (alpha L_a + beta L_z)`` (MoA, Sec. 3.3)
+``+ moh_beta * mean over MoH modules of L_b`` (MoH, Sec. 3.3: beta = 0.01, averaged over layers as
+the authors' code does). fairseq sums the task loss over the batch and divides the gradient by
+``sample_size``, so the auxiliary part is added as ``sample_size * (...)``: after the division its
+weights on the per-token loss are exactly alpha, beta and moh_beta (the authors' MoA code adds it
+unscaled, weakening it by the batch's token count).
+
+The model hands its routing decisions over explicitly: ``model.pop_routings()``
+(:class:`~moa.models.routed_transformer.RoutedModel`).
 """
 
 import math
@@ -15,63 +19,85 @@ import torch
 from fairseq import metrics
 from fairseq.dataclass import FairseqDataclass
 
-from moa.attention import MixtureOfAttentionHeads
-from moa.routing import Routing
+from moa.routing import HeadRouting, Routing
 
 LOGGED = {
-    "moa_aux": "the auxiliary part training adds to the task loss, base 2 like loss",
+    "moa_aux": "the auxiliary part training adds to the task loss (MoA's and MoH's terms), base 2 like loss",
     "moa_la": "L_a, mean over MoA modules (1.0 = balanced)",
     "moa_lz": "L_z, mean over MoA modules",
-    "moa_load_cv": "coefficient of variation of expert load, mean over modules (0 = balanced)",
+    "moa_load_cv": "coefficient of variation of expert load, mean over MoA modules (0 = balanced)",
+    "moh_lb": "L_b, mean over MoH modules",
+    "moh_active": "fraction of heads active per token, mean over MoH modules",
+    "moh_alpha1": "alpha1 (the shared heads' weight), mean over MoH modules and tokens",
+    "moh_load_cv": "coefficient of variation of routed-head load, mean over MoH modules (0 = balanced)",
 }
 
 
 @dataclass
-class MoAAuxLossConfig(FairseqDataclass):
-    """The --moa-alpha / --moa-beta flags every MoA criterion adds to its base config."""
+class RoutingLossConfig(FairseqDataclass):
+    """The --moa-alpha / --moa-beta / --moh-beta flags every criterion of the plugin adds to its base config."""
 
     moa_alpha: float = field(default=0.01, metadata={"help": "weight alpha of the load-balancing loss L_a per MoA module"})
     moa_beta: float = field(default=0.001, metadata={"help": "weight beta of the router z-loss L_z per MoA module"})
+    moh_beta: float = field(default=0.01, metadata={"help": "weight of the MoH load-balance loss L_b, averaged over "
+                                                            "MoH modules"})
 
 
-def pop_routings(model) -> List[Routing]:
-    """The routings recorded by every MoA module since the last call, clearing them."""
-    routings = []
-    for module in model.modules():
-        if isinstance(module, MixtureOfAttentionHeads) and module.routing is not None:
-            routings.append(module.routing)
-            module.routing = None
-    return routings
+def model_routings(model) -> List:
+    """The routing decisions ``model`` hands over (none for a model without routed attention)."""
+    return model.pop_routings() if hasattr(model, "pop_routings") else []
 
 
-def moa_aux_loss(routings: List[Routing], sample_size, alpha: float, beta: float, logging_output: dict):
-    """``sample_size * sum_modules(alpha L_a + beta L_z)``; adds the MoA figures to ``logging_output``."""
-    if not routings:
+def _load_cv(loads: torch.Tensor) -> torch.Tensor:
+    return (loads.std(dim=1, unbiased=False) / loads.mean(dim=1).clamp(min=1e-9)).mean()
+
+
+def routing_aux_loss(routings: List, sample_size, cfg, logging_output: dict):
+    """``sample_size * (MoA and MoH terms)`` for the routings of one forward; logs their figures
+    (multiplied by ``sample_size``, as fairseq's reduction divides by it) into ``logging_output``."""
+    moa = [r for r in routings if isinstance(r, Routing)]
+    moh = [r for r in routings if isinstance(r, HeadRouting)]
+    if not moa and not moh:
         return 0.0
-    l_a = torch.stack([r.load_balancing_loss for r in routings])
-    l_z = torch.stack([r.router_z_loss for r in routings])
-    if torch.is_grad_enabled() and (alpha or beta) and not (l_a.requires_grad or l_z.requires_grad):
+    terms, weighted = [], []
+    if moa:
+        l_a = torch.stack([r.load_balancing_loss for r in moa])
+        l_z = torch.stack([r.router_z_loss for r in moa])
+        terms += [l_a, l_z]
+        weighted.append(cfg.moa_alpha * l_a.sum() + cfg.moa_beta * l_z.sum())
+        logging_output["moa_la"] = l_a.detach().mean() * sample_size
+        logging_output["moa_lz"] = l_z.detach().mean() * sample_size
+        logging_output["moa_load_cv"] = _load_cv(torch.stack([r.expert_load for r in moa])) * sample_size
+    if moh:
+        l_b = torch.stack([r.balance_loss for r in moh])
+        terms.append(l_b)
+        weighted.append(cfg.moh_beta * l_b.mean())
+        logging_output["moh_lb"] = l_b.detach().mean() * sample_size
+        logging_output["moh_active"] = sum(r.active_fraction for r in moh) / len(moh) * sample_size
+        logging_output["moh_alpha1"] = torch.stack([r.mean_alpha_shared for r in moh]).detach().mean() * sample_size
+        routed = [r.head_load for r in moh if r.head_load.numel() > 1]
+        if routed:
+            logging_output["moh_load_cv"] = sum(_load_cv(load[None]) for load in routed) / len(routed) * sample_size
+    weighted_terms = (moa and (cfg.moa_alpha or cfg.moa_beta)) or (moh and cfg.moh_beta)
+    if torch.is_grad_enabled() and weighted_terms and not any(t.requires_grad for t in terms):
         raise RuntimeError(
-            "the MoA auxiliary losses carry no gradient: the layers ran without autograd "
+            "the routers' auxiliary losses carry no gradient: the layers ran without autograd "
             "(fairseq's --checkpoint-activations runs them under no_grad first). Train without "
-            "--checkpoint-activations, or set --moa-alpha 0 --moa-beta 0."
+            "--checkpoint-activations, or set --moa-alpha 0 --moa-beta 0 --moh-beta 0."
         )
-    loads = torch.stack([r.expert_load for r in routings])
-    load_cv = loads.std(dim=1, unbiased=False) / loads.mean(dim=1).clamp(min=1e-9)
-    aux = sample_size * (alpha * l_a.sum() + beta * l_z.sum())
+    aux = sample_size * sum(weighted)
     logging_output["moa_aux"] = aux.detach()
-    logging_output["moa_la"] = l_a.detach().mean() * sample_size
-    logging_output["moa_lz"] = l_z.detach().mean() * sample_size
-    logging_output["moa_load_cv"] = load_cv.mean() * sample_size
     return aux
 
 
-def reduce_moa_metrics(logging_outputs) -> None:
-    """Log the sample-size-weighted means of the MoA figures."""
+def reduce_routing_metrics(logging_outputs) -> None:
+    """Log the sample-size-weighted means of the routing figures that were logged."""
     sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
-    if not sample_size or not any("moa_la" in log for log in logging_outputs):
+    if not sample_size:
         return
     for key in LOGGED:
+        if not any(key in log for log in logging_outputs):
+            continue
         total = float(sum(log.get(key, 0) for log in logging_outputs)) / sample_size
         if key == "moa_aux":
             total /= math.log(2)

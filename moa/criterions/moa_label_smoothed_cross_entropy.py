@@ -1,4 +1,4 @@
-"""Label-smoothed cross-entropy plus MoA's auxiliary losses, for translation."""
+"""Label-smoothed cross-entropy plus the routers' auxiliary losses (MoA and MoH), for translation."""
 
 from dataclasses import dataclass
 
@@ -8,17 +8,17 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from moa.criterions.aux_loss import MoAAuxLossConfig, moa_aux_loss, pop_routings, reduce_moa_metrics
+from moa.criterions.aux_loss import RoutingLossConfig, model_routings, reduce_routing_metrics, routing_aux_loss
 
 
 @dataclass
-class MoALabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig, MoAAuxLossConfig):
+class MoALabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig, RoutingLossConfig):
     pass
 
 
 @register_criterion("moa_label_smoothed_cross_entropy", dataclass=MoALabelSmoothedCrossEntropyCriterionConfig)
 class MoALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
-    """Optimises label-smoothed CE + sum over modules of (alpha L_a + beta L_z), per target token.
+    """Optimises label-smoothed CE + the routers' auxiliary losses (:mod:`moa.criterions.aux_loss`), per target token.
 
     The logged ``loss`` and ``nll_loss`` (base 2) and ``ppl`` stay fairseq's pure translation
     figures, so validation loss and ``checkpoint_best`` compare with a Transformer's; ``moa_aux``
@@ -27,18 +27,17 @@ class MoALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     """
 
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 moa_alpha=0.01, moa_beta=0.001):
+                 moa_alpha=0.01, moa_beta=0.001, moh_beta=0.01):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.moa_alpha = moa_alpha
-        self.moa_beta = moa_beta
+        self.routing_cfg = RoutingLossConfig(moa_alpha=moa_alpha, moa_beta=moa_beta, moh_beta=moh_beta)
 
     def forward(self, model, sample, reduce=True):
-        pop_routings(model)  # drop anything recorded outside this criterion
+        model_routings(model)  # drop anything recorded outside this criterion
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
-        aux = moa_aux_loss(pop_routings(model), sample_size, self.moa_alpha, self.moa_beta, logging_output)
+        aux = routing_aux_loss(model_routings(model), sample_size, self.routing_cfg, logging_output)
         return (loss + aux if reduce else loss), sample_size, logging_output
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
-        reduce_moa_metrics(logging_outputs)
+        reduce_routing_metrics(logging_outputs)

@@ -18,7 +18,8 @@ def dictionary_of_size(size: int) -> Dictionary:
 
 def build_translation_model(arch: str, dictionary: Dictionary, extra_args: Sequence[str] = (),
                             share_all_embeddings: bool = True):
-    """The model ``fairseq-train --arch ARCH EXTRA_ARGS`` would build on a joined dictionary."""
+    """The model ``fairseq-train --arch ARCH EXTRA_ARGS`` would build on a joined dictionary
+    (translation archs; masked-LM archs get the dictionary as their source and 512 positions)."""
     if arch not in ARCH_MODEL_REGISTRY:
         raise ValueError(f"unknown arch {arch!r}; import moa first to register the MoA archs")
     model_cls = ARCH_MODEL_REGISTRY[arch]
@@ -28,5 +29,5 @@ def build_translation_model(arch: str, dictionary: Dictionary, extra_args: Seque
     args.arch = arch
     args.share_all_embeddings = share_all_embeddings
     ARCH_CONFIG_REGISTRY[arch](args)
-    task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary)
+    task = types.SimpleNamespace(source_dictionary=dictionary, target_dictionary=dictionary, max_positions=lambda: 512)
     return model_cls.build_model(args, task)

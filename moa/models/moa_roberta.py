@@ -1,7 +1,7 @@
 """``moa_roberta``: a RoBERTa-style masked-LM encoder whose self-attention is MoA.
 
 It subclasses fairseq's ``RobertaModel``/``RobertaEncoder`` and swaps only the
-sentence encoder for :class:`~moa.models.moa_transformer.MoATransformerEncoder`,
+sentence encoder for :class:`~moa.models.routed_transformer.RoutedTransformerEncoder`,
 so fairseq's ``masked_lm`` task, LM head, classification heads and hub tools
 apply unchanged. Train it with ``--task masked_lm --criterion moa_masked_lm``.
 
@@ -18,8 +18,8 @@ from fairseq.modules.transformer_sentence_encoder import init_bert_params
 from torch import nn
 
 from moa.attention import MixtureOfAttentionHeads
-from moa.models.moa_transformer import (MoATransformerEncoder, add_moa_args, check_moa_args, moa_layer_config,
-                                        set_moa_defaults)
+from moa.models.moa_transformer import add_moa_args, check_moa_args, moa_layer_config, set_moa_defaults
+from moa.models.routed_transformer import RoutedModel, RoutedTransformerEncoder
 
 
 def init_moa_bert_params(module):
@@ -31,14 +31,14 @@ def init_moa_bert_params(module):
 
 class MoARobertaEncoder(RobertaEncoder):
     def build_encoder(self, args, dictionary, embed_tokens):
-        encoder = MoATransformerEncoder(moa_layer_config(args), dictionary, embed_tokens)
+        encoder = RoutedTransformerEncoder(moa_layer_config(args), dictionary, embed_tokens)
         encoder.apply(init_bert_params)
         encoder.apply(init_moa_bert_params)
         return encoder
 
 
 @register_model("moa_roberta")
-class MoARobertaModel(RobertaModel):
+class MoARobertaModel(RoutedModel, RobertaModel):
     """RoBERTa whose encoder self-attention modules are MoA (Zhang et al. 2022, Sec. 4.2)."""
 
     @staticmethod

@@ -1,9 +1,8 @@
 """``moa_transformer``: fairseq's Transformer with Mixture-of-Attention-heads layers.
 
-The model subclasses fairseq's ``TransformerModel``; its encoder and decoder
-layers subclass fairseq's layer classes and override only how attention is
-built, so everything else (layer norm placement, dropout, layer drop,
-activation checkpointing and FSDP wrapping) is fairseq's own.
+The model subclasses fairseq's ``TransformerModel``; its encoder and decoder are the routed ones of
+:mod:`moa.models.routed_transformer`, building :class:`~moa.attention.MixtureOfAttentionHeads` in
+the attention types ``--moa-attention-types`` names.
 
 Archs (all d_model 512, FFN 2048, 6+6 layers except ``moa_small``):
 
@@ -15,22 +14,13 @@ Archs (all d_model 512, FFN 2048, 6+6 layers except ``moa_small``):
 ``--moa-attention-types`` and ``--moa-attention-bias`` override any arch.
 """
 
-from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
-from fairseq.models.transformer import (
-    TransformerConfig,
-    TransformerDecoderBase,
-    TransformerEncoderBase,
-    TransformerModel,
-    base_architecture,
-)
-from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
-from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.models.transformer import TransformerModel, base_architecture
 
 from moa.attention import MixtureOfAttentionHeads
+from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedModel, RoutedTransformerDecoder,
+                                           RoutedTransformerEncoder, parse_attention_types, routed_layer_config)
 from moa.routing import GATE_WEIGHTS
-
-ATTENTION_TYPES = ("encoder-self", "decoder-self", "decoder-cross")
 
 
 def add_moa_args(parser):
@@ -48,31 +38,21 @@ def add_moa_args(parser):
                         help="give the MoA projections biases (the paper's parameter counts have none)")
 
 
-def parse_attention_types(value: str) -> frozenset:
-    """``--moa-attention-types``: the validated set of attention types that use MoA."""
-    names = frozenset(name.strip() for name in str(value).split(",") if name.strip())
-    unknown = names - set(ATTENTION_TYPES)
-    if unknown:
-        raise ValueError(f"--moa-attention-types: unknown {sorted(unknown)}; choose from {','.join(ATTENTION_TYPES)}")
-    return names
-
-
 def check_moa_args(args) -> None:
     """Refuse MoA flags that cannot build a model, naming the flag to change."""
-    parse_attention_types(args.moa_attention_types)
+    parse_attention_types(args.moa_attention_types, "--moa-attention-types")
     if not 1 <= args.moa_top_k <= args.moa_experts:
         raise ValueError(f"--moa-top-k {args.moa_top_k} with --moa-experts {args.moa_experts}: "
                          "MoA selects between 1 and --moa-experts experts per token")
 
 
-def moa_layer_config(args) -> TransformerConfig:
-    """fairseq's layer config for ``args``, with ``moa_types``, the parsed attention types that use MoA."""
-    cfg = TransformerConfig.from_namespace(args)
-    cfg.moa_types = parse_attention_types(args.moa_attention_types)
-    return cfg
+def moa_layer_config(args):
+    """fairseq's layer config for ``args``, building MoA in the attention types that use it."""
+    return routed_layer_config(args, parse_attention_types(args.moa_attention_types, "--moa-attention-types"),
+                               build_moa_attention)
 
 
-def build_moa_attention(cfg, embed_dim, kdim=None, self_attention=False, encoder_decoder_attention=False):
+def build_moa_attention(cfg, embed_dim, kind, kdim=None):
     return MixtureOfAttentionHeads(
         embed_dim,
         num_experts=cfg.moa_experts,
@@ -82,67 +62,14 @@ def build_moa_attention(cfg, embed_dim, kdim=None, self_attention=False, encoder
         vdim=kdim,
         dropout=cfg.attention_dropout,
         bias=cfg.moa_attention_bias,
-        self_attention=self_attention,
-        encoder_decoder_attention=encoder_decoder_attention,
+        self_attention=kind != "decoder-cross",
+        encoder_decoder_attention=kind == "decoder-cross",
         gate_weights=cfg.moa_gate_weights,
     )
 
 
-def wrap_layer(layer, cfg):
-    """Apply fairseq's activation checkpointing and FSDP wrapping, as its own layer builders do."""
-    checkpoint = cfg.checkpoint_activations
-    if checkpoint:
-        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
-    return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
-
-
-class MoATransformerEncoderLayer(TransformerEncoderLayerBase):
-    def build_self_attention(self, embed_dim, cfg):
-        if "encoder-self" not in cfg.moa_types:
-            return super().build_self_attention(embed_dim, cfg)
-        return build_moa_attention(cfg, embed_dim, self_attention=True)
-
-
-class MoATransformerDecoderLayer(TransformerDecoderLayerBase):
-    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        if "decoder-self" not in cfg.moa_types:
-            return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
-        if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
-            raise ValueError("MoA decoder self-attention does not support --cross-self-attention, "
-                             "add_bias_kv or add_zero_attn; leave decoder-self out of --moa-attention-types")
-        return build_moa_attention(cfg, embed_dim, self_attention=True)
-
-    def build_encoder_attention(self, embed_dim, cfg):
-        if "decoder-cross" not in cfg.moa_types:
-            return super().build_encoder_attention(embed_dim, cfg)
-        return build_moa_attention(cfg, embed_dim, kdim=cfg.encoder.embed_dim, encoder_decoder_attention=True)
-
-
-class MoATransformerEncoder(TransformerEncoderBase):
-    def build_encoder_layer(self, cfg):
-        return wrap_layer(MoATransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
-
-
-class MoATransformerDecoder(TransformerDecoderBase):
-    """fairseq's decoder, telling its MoA cross-attention modules which target positions are padding."""
-
-    def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        return wrap_layer(MoATransformerDecoderLayer(cfg, no_encoder_attn), cfg)
-
-    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **kwargs):
-        cross = [m for m in self.modules() if isinstance(m, MixtureOfAttentionHeads) and m.encoder_decoder_attention]
-        padding = prev_output_tokens.eq(self.padding_idx) if incremental_state is None and cross else None
-        for module in cross:
-            module.query_padding_mask = padding
-        try:
-            return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
-        finally:
-            for module in cross:
-                module.query_padding_mask = None
-
-
 @register_model("moa_transformer")
-class MoATransformerModel(TransformerModel):
+class MoATransformerModel(RoutedModel, TransformerModel):
     """Transformer encoder-decoder whose attention modules are MoA (Zhang et al. 2022)."""
 
     @staticmethod
@@ -157,12 +84,12 @@ class MoATransformerModel(TransformerModel):
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
-        return MoATransformerEncoder(moa_layer_config(args), src_dict, embed_tokens)
+        return RoutedTransformerEncoder(moa_layer_config(args), src_dict, embed_tokens)
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
-        return MoATransformerDecoder(moa_layer_config(args), tgt_dict, embed_tokens,
-                                     no_encoder_attn=getattr(args, "no_cross_attention", False))
+        return RoutedTransformerDecoder(moa_layer_config(args), tgt_dict, embed_tokens,
+                                        no_encoder_attn=getattr(args, "no_cross_attention", False))
 
 
 def set_moa_defaults(args, experts, top_k, head_dim):

@@ -1,0 +1,129 @@
+"""``moh_transformer``: fairseq's Transformer with Mixture-of-Head attention (Jin et al. 2025).
+
+The attention modules named by ``--moh-attention-types`` (default all three) become
+:class:`~moa.moh_attention.MixtureOfHeadsAttention` over the arch's own heads: the first
+``--moh-shared-heads`` are always active and ``--moh-top-k`` of the rest are routed per token.
+Their parameters keep fairseq's ``MultiheadAttention`` names, so a ``transformer`` checkpoint's
+weights load into the same shape; the routers add d_model * (heads + 2) per module.
+
+Archs:
+
+* ``moh_base``  ``transformer_wmt_en_de``'s shape (512, FFN 2048, 6+6, 8 heads of 64), 4 shared + top-2
+  of 4 routed: 75% of the heads active
+* ``moh_small`` the CPU shape of ``moa_small`` (256, FFN 1024, 3+3, 4 heads of 64), 2 shared + top-1 of 2
+"""
+
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerModel, base_architecture
+
+from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedModel, RoutedTransformerDecoder,
+                                           RoutedTransformerEncoder, parse_attention_types, routed_layer_config)
+from moa.moh_attention import MixtureOfHeadsAttention
+from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES
+
+
+def add_moh_args(parser):
+    """The MoH command-line flags shared by every MoH model."""
+    parser.add_argument("--moh-shared-heads", type=int, metavar="H_S",
+                        help="heads always active (the first H_S of each module)")
+    parser.add_argument("--moh-top-k", type=int, metavar="K", help="routed heads selected per token, of the rest")
+    parser.add_argument("--moh-gate-scale", choices=HEAD_GATE_SCALES,
+                        help="unit: the released code's gates, 1 for every active head under uniform routers; "
+                             "softmax: the paper's equations, alpha * softmax")
+    parser.add_argument("--moh-balance-loss", choices=BALANCE_LOSSES,
+                        help="paper: L_b = sum_i P_i f_i (default); experts-scaled: E * sum_i P_i f_i, the released code")
+    parser.add_argument("--moh-attention-types", type=str, metavar="LIST",
+                        help="comma-separated attention types that use MoH, of " + ",".join(ATTENTION_TYPES)
+                             + " (default: all); the others are fairseq multi-head attention")
+
+
+def check_moh_args(args, heads: dict) -> None:
+    """Refuse MoH flags that cannot build a model, naming the flag to change. ``heads``: the
+    attention heads of each routed attention type."""
+    types = parse_attention_types(args.moh_attention_types, "--moh-attention-types")
+    for kind in sorted(types):
+        h, h_s, k = heads[kind], args.moh_shared_heads, args.moh_top_k
+        routed = h - h_s
+        if not 0 <= h_s <= h or not (1 <= k <= routed if routed else k == 0):
+            raise ValueError(f"--moh-shared-heads {h_s} --moh-top-k {k} do not fit the {h} heads of {kind} "
+                             f"attention: MoH needs 0 <= H_S <= heads and 1 <= K <= heads - H_S "
+                             f"(K = 0 only when every head is shared)")
+
+
+def build_moh_attention(cfg, embed_dim, kind, kdim=None):
+    return MixtureOfHeadsAttention(
+        embed_dim,
+        num_heads=cfg.encoder.attention_heads if kind == "encoder-self" else cfg.decoder.attention_heads,
+        shared_heads=cfg.moh_shared_heads,
+        top_k=cfg.moh_top_k,
+        kdim=kdim,
+        vdim=kdim,
+        dropout=cfg.attention_dropout,
+        self_attention=kind != "decoder-cross",
+        encoder_decoder_attention=kind == "decoder-cross",
+        gate_scale=cfg.moh_gate_scale,
+        balance_loss=cfg.moh_balance_loss,
+    )
+
+
+def moh_layer_config(args):
+    """fairseq's layer config for ``args``, building MoH in the attention types that use it."""
+    return routed_layer_config(args, parse_attention_types(args.moh_attention_types, "--moh-attention-types"),
+                               build_moh_attention)
+
+
+@register_model("moh_transformer")
+class MoHTransformerModel(RoutedModel, TransformerModel):
+    """Transformer encoder-decoder whose attention modules are MoH (Jin et al. 2025)."""
+
+    @staticmethod
+    def add_args(parser):
+        TransformerModel.add_args(parser)
+        add_moh_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        check_moh_args(args, {"encoder-self": args.encoder_attention_heads, "decoder-self": args.decoder_attention_heads,
+                              "decoder-cross": args.decoder_attention_heads})
+        return super().build_model(args, task)
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return RoutedTransformerEncoder(moh_layer_config(args), src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        return RoutedTransformerDecoder(moh_layer_config(args), tgt_dict, embed_tokens,
+                                        no_encoder_attn=getattr(args, "no_cross_attention", False))
+
+
+def set_moh_defaults(args, shared_heads, top_k):
+    """Fill the MoH flags the user did not give."""
+    args.moh_shared_heads = getattr(args, "moh_shared_heads", shared_heads)
+    args.moh_top_k = getattr(args, "moh_top_k", top_k)
+    args.moh_gate_scale = getattr(args, "moh_gate_scale", "unit")
+    args.moh_balance_loss = getattr(args, "moh_balance_loss", "paper")
+    args.moh_attention_types = getattr(args, "moh_attention_types", ",".join(ATTENTION_TYPES))
+
+
+@register_model_architecture("moh_transformer", "moh_transformer")
+@register_model_architecture("moh_transformer", "moh_base")
+def moh_base(args):
+    """MoH on transformer_wmt_en_de's shape: 8 heads of 64, 4 shared + top-2 of 4 (75% active)."""
+    set_moh_defaults(args, shared_heads=4, top_k=2)
+    base_architecture(args)
+
+
+@register_model_architecture("moh_transformer", "moh_small")
+def moh_small(args):
+    """A CPU-sized MoH: d_model 256, FFN 1024, 3+3 layers, 4 heads of 64, 2 shared + top-1 of 2."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
+    args.encoder_layers = getattr(args, "encoder_layers", 3)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    args.decoder_layers = getattr(args, "decoder_layers", 3)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
+    args.dropout = getattr(args, "dropout", 0.1)
+    args.attention_dropout = getattr(args, "attention_dropout", 0.1)
+    set_moh_defaults(args, shared_heads=2, top_k=1)
+    base_architecture(args)

@@ -1,0 +1,106 @@
+"""fairseq's Transformer with routed attention (MoA or MoH) in the attention types a flag names.
+
+The encoder and decoder layers subclass fairseq's layer classes and override only how attention is
+built, so everything else (layer norm placement, dropout, layer drop, activation checkpointing and
+FSDP wrapping) is fairseq's own. Which module a routed attention type gets is the model's choice:
+:func:`routed_layer_config` puts the parsed attention types and a builder on fairseq's layer config.
+
+:class:`RoutedModel` is how a model hands its routing decisions (and so its auxiliary losses) to the
+criterion: ``model.pop_routings()``.
+"""
+
+from typing import Callable, List
+
+from fairseq.distributed import fsdp_wrap
+from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerEncoderBase
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+
+from moa.attention_base import RoutedAttention
+
+ATTENTION_TYPES = ("encoder-self", "decoder-self", "decoder-cross")
+
+
+def parse_attention_types(value: str, flag: str) -> frozenset:
+    """The validated set of attention types named by ``flag`` (comma-separated)."""
+    names = frozenset(name.strip() for name in str(value).split(",") if name.strip())
+    unknown = names - set(ATTENTION_TYPES)
+    if unknown:
+        raise ValueError(f"{flag}: unknown {sorted(unknown)}; choose from {','.join(ATTENTION_TYPES)}")
+    return names
+
+
+def routed_layer_config(args, types: frozenset, build_attention: Callable) -> TransformerConfig:
+    """fairseq's layer config for ``args`` with ``routed_types`` and ``build_routed_attention(cfg,
+    embed_dim, kind, kdim=None)``, ``kind`` one of :data:`ATTENTION_TYPES`."""
+    cfg = TransformerConfig.from_namespace(args)
+    cfg.routed_types = types
+    cfg.build_routed_attention = build_attention
+    return cfg
+
+
+def wrap_layer(layer, cfg):
+    """Apply fairseq's activation checkpointing and FSDP wrapping, as its own layer builders do."""
+    checkpoint = cfg.checkpoint_activations
+    if checkpoint:
+        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
+
+
+class RoutedTransformerEncoderLayer(TransformerEncoderLayerBase):
+    def build_self_attention(self, embed_dim, cfg):
+        if "encoder-self" not in cfg.routed_types:
+            return super().build_self_attention(embed_dim, cfg)
+        return cfg.build_routed_attention(cfg, embed_dim, "encoder-self")
+
+
+class RoutedTransformerDecoderLayer(TransformerDecoderLayerBase):
+    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
+        if "decoder-self" not in cfg.routed_types:
+            return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
+        if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
+            raise ValueError("routed decoder self-attention does not support --cross-self-attention, "
+                             "add_bias_kv or add_zero_attn; leave decoder-self out of the attention types")
+        return cfg.build_routed_attention(cfg, embed_dim, "decoder-self")
+
+    def build_encoder_attention(self, embed_dim, cfg):
+        if "decoder-cross" not in cfg.routed_types:
+            return super().build_encoder_attention(embed_dim, cfg)
+        return cfg.build_routed_attention(cfg, embed_dim, "decoder-cross", kdim=cfg.encoder.embed_dim)
+
+
+class RoutedTransformerEncoder(TransformerEncoderBase):
+    def build_encoder_layer(self, cfg):
+        return wrap_layer(RoutedTransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+
+
+class RoutedTransformerDecoder(TransformerDecoderBase):
+    """fairseq's decoder, telling its routed cross-attention modules which target positions are padding."""
+
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        return wrap_layer(RoutedTransformerDecoderLayer(cfg, no_encoder_attn), cfg)
+
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **kwargs):
+        cross = [m for m in self.modules() if isinstance(m, RoutedAttention) and m.encoder_decoder_attention]
+        padding = prev_output_tokens.eq(self.padding_idx) if incremental_state is None and cross else None
+        for module in cross:
+            module.query_padding_mask = padding
+        try:
+            return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
+        finally:
+            for module in cross:
+                module.query_padding_mask = None
+
+
+class RoutedModel:
+    """Mixed into the MoA and MoH models: the routing decisions of the last forward, for the criterion."""
+
+    def pop_routings(self) -> List:
+        """The :class:`~moa.routing.Routing` / :class:`~moa.routing.HeadRouting` of every routed
+        module since the last call, clearing them."""
+        routings = []
+        for module in self.modules():
+            if isinstance(module, RoutedAttention) and module.routing is not None:
+                routings.append(module.routing)
+                module.routing = None
+        return routings
