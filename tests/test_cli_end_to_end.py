@@ -19,12 +19,14 @@ from moa_tools.textio import read_lines
 pytestmark = pytest.mark.slow
 
 TEST_SENTENCES = 37  # not a multiple of 8: fairseq would drop a tail batch without --required-batch-size-multiple 1
-TRAIN = ["--arch", "moa_small", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
-         "--encoder-ffn-embed-dim", "128", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16",
-         "--share-all-embeddings", "--criterion", "moa_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-         "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "2048", "--cpu", "--num-workers", "0",
-         "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--seed", "3",
-         "--save-interval-updates", "10"]
+COMMON = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim",
+          "128", "--share-all-embeddings", "--criterion", "moa_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+          "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "2048", "--cpu", "--num-workers", "0",
+          "--log-format", "simple", "--log-interval", "5", "--no-epoch-checkpoints", "--seed", "3",
+          "--save-interval-updates", "10"]
+TRAIN = ["--arch", "moa_small", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16", *COMMON]
+MOH_TRAIN = ["--arch", "moh_small", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+             "--moh-shared-heads", "1", "--moh-top-k", "2", *COMMON]
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +157,34 @@ def test_interactive_translates_from_stdin(trained):
                    "--source-lang", "en", "--target-lang", "de", "--post-process", "subword_nmt",
                    input="".join(sources))
     assert len(re.findall(r"^H-\d+\t", proc.stdout, re.M)) == 2
+
+
+@pytest.fixture(scope="module")
+def trained_moh(trained, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("e2e-moh") / "checkpoints")
+    train = run_cli("fairseq-train", trained["data_bin"], "--user-dir", USER_DIR, *MOH_TRAIN, "--save-dir", ckpt,
+                    "--max-update", "20")
+    return dict(trained, ckpt=ckpt, train_log=train.stdout + train.stderr)
+
+
+def test_moh_trains_translates_every_test_sentence_scores_and_resumes(trained_moh):
+    log = trained_moh["train_log"]
+    assert "MoHTransformerModel" in log and "MixtureOfHeadsAttention" in log
+    last = dict(re.findall(r"\| (\w+) ([-\d.]+)", [line for line in log.splitlines() if "| train |" in line][-1]))
+    assert int(last["num_updates"]) == 20 and float(last["moh_active"]) == pytest.approx(0.75)
+    assert float(last["moh_lb"]) >= 2 / 3 - 1e-3  # 1 shared + top-2 of 3: sum P f >= K / E
+    checkpoint = os.path.join(trained_moh["ckpt"], "checkpoint_last.pt")
+    proc = run_cli("fairseq-generate", trained_moh["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset",
+                   "test", "--path", checkpoint, "--beam", "4", "--lenpen", "0.6", "--batch-size", "8",
+                   "--required-batch-size-multiple", "1", "--post-process", "subword_nmt")
+    generate_log = os.path.join(trained_moh["ckpt"], "generate.log")
+    with open(generate_log, "w", encoding="utf-8") as f:
+        f.write(proc.stdout)
+    assert f"Translated {TEST_SENTENCES} sentences" in proc.stdout + proc.stderr
+    scored = run_cli("moa-score", generate_log, os.path.join(trained_moh["raw"], "test.ref.de"), "--lang", "de")
+    assert f"{TEST_SENTENCES} of {TEST_SENTENCES} test sentences translated" in scored.stdout
+    again = run_cli("fairseq-train", trained_moh["data_bin"], "--user-dir", USER_DIR, *MOH_TRAIN,
+                    "--save-dir", trained_moh["ckpt"], "--max-update", "30")
+    resumed = again.stdout + again.stderr
+    assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt .*\(epoch \d+ @ 20 updates\)", resumed)
+    assert torch.load(checkpoint, map_location="cpu")["optimizer_history"][-1]["num_updates"] == 30

@@ -62,21 +62,32 @@ def test_a_truncated_archive_is_refused(prepared, tmp_path):
 
 
 TRAIN = ["--task", "masked_lm", "--criterion", "moa_masked_lm", "--moa-alpha", "0.02", "--moa-beta", "0.002",
-         "--arch", "moa_roberta_small",
          "--encoder-layers", "2", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
-         "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16", "--sample-break-mode", "complete",
+         "--sample-break-mode", "complete",
          "--tokens-per-sample", "128", "--optimizer", "adam", "--lr", "5e-4", "--batch-size", "16",
          "--max-update", "12", "--cpu", "--num-workers", "0", "--log-format", "simple", "--log-interval", "4",
          "--no-epoch-checkpoints", "--skip-invalid-size-inputs-valid-test", "--seed", "3"]
+ARCHS = {"moa": ["--arch", "moa_roberta_small", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16"],
+         "moh": ["--arch", "moh_roberta_small", "--encoder-attention-heads", "4", "--moh-shared-heads", "1",
+                 "--moh-top-k", "2", "--moh-beta", "0.05"]}
+
+
+def _train(prepared, kind):
+    save = prepared["work"] / f"ckpt-{kind}"
+    proc = run_cli("fairseq-train", str(prepared["out"] / "data-bin"), "--user-dir", USER_DIR, *TRAIN, *ARCHS[kind],
+                   "--save-dir", str(save))
+    return {"ckpt": str(save / "checkpoint_last.pt"), "data_bin": str(prepared["out"] / "data-bin"),
+            "log": proc.stdout + proc.stderr, "save": save, "kind": kind}
 
 
 @pytest.fixture(scope="module")
 def trained(prepared):
-    save = prepared["work"] / "ckpt"
-    proc = run_cli("fairseq-train", str(prepared["out"] / "data-bin"), "--user-dir", USER_DIR, *TRAIN,
-                   "--save-dir", str(save))
-    return {"ckpt": str(save / "checkpoint_last.pt"), "data_bin": str(prepared["out"] / "data-bin"),
-            "log": proc.stdout + proc.stderr}
+    return _train(prepared, "moa")
+
+
+@pytest.fixture(scope="module")
+def trained_moh(prepared):
+    return _train(prepared, "moh")
 
 
 def test_training_logs_mlm_and_moa_figures(trained):
@@ -88,6 +99,21 @@ def test_training_logs_mlm_and_moa_figures(trained):
     # 2 MoA modules, --moa-alpha 0.02 --moa-beta 0.002, logged in bits like fairseq's loss
     assert aux == pytest.approx(2 * (0.02 * la + 0.002 * lz) / math.log(2), rel=0.01)
     assert float(figures["ppl"]) == pytest.approx(2 ** float(figures["loss"]), rel=0.02)
+
+
+def test_moh_training_logs_its_figures_and_resumes(trained_moh):
+    last = [line for line in trained_moh["log"].splitlines() if "| train |" in line][-1]
+    figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
+    assert int(figures["num_updates"]) == 12 and "moa_la" not in figures
+    lb, aux = float(figures["moh_lb"]), float(figures["moa_aux"])
+    # 1 shared + top-2 of 3 routed: L_b = sum P f >= K / E at balance; 2 modules averaged, --moh-beta 0.05
+    assert lb >= 2 / 3 - 1e-3 and float(figures["moh_active"]) == pytest.approx(0.75)
+    assert aux == pytest.approx(0.05 * lb / math.log(2), rel=0.01)
+    again = run_cli("fairseq-train", trained_moh["data_bin"], "--user-dir", USER_DIR, *TRAIN, *ARCHS["moh"],
+                    "--save-dir", str(trained_moh["save"]), "--max-update", "16")
+    log = again.stdout + again.stderr
+    assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt .*\(epoch \d+ @ 12 updates\)", log), log[-3000:]
+    assert torch.load(trained_moh["ckpt"], map_location="cpu")["optimizer_history"][-1]["num_updates"] == 16
 
 
 def _masked_nll(checkpoint, data_bin, subset):
@@ -111,7 +137,9 @@ def _masked_nll(checkpoint, data_bin, subset):
     return total / count
 
 
-def test_perplexity_is_deterministic_and_matches_an_independent_computation(trained):
+@pytest.mark.parametrize("model", ["trained", "trained_moh"])
+def test_perplexity_is_deterministic_and_matches_an_independent_computation(model, request):
+    trained = request.getfixturevalue(model)
     cmd = ["bash", os.path.join(ROOT, "examples", "mlm", "eval-ppl.sh"), trained["ckpt"], trained["data_bin"],
            "valid", "--", "--skip-invalid-size-inputs-valid-test"]
     runs = [run_cli(*cmd) for _ in range(2)]
