@@ -99,6 +99,8 @@ class _ExpertLinear(torch.autograd.Function):
                     rows *= c
                 if grad_experts[e].is_contiguous():
                     torch.mm(rows.t(), g, out=grad_experts[e])
+                elif grad_experts[e].t().is_contiguous():  # a transposed view, as of nn.Linear's (out, in) weight
+                    torch.mm(g.t(), rows, out=grad_experts[e].t())
                 else:  # a strided (in_dim, out_dim) slice of the (in_dim, E, out_dim) layout
                     grad_experts[e].copy_(rows.t() @ g)
             if grad_b is not None:
