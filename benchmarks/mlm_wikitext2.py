@@ -1,12 +1,13 @@
-"""Masked LM on WikiText-2 text: a small MoA RoBERTa against a same-shape Transformer RoBERTa.
+"""Masked LM on WikiText-2 text: small MoA and MoH RoBERTas against a same-shape Transformer RoBERTa.
 
     .venv/bin/python benchmarks/mlm_wikitext2.py [--updates 600] [--workdir DIR]
 
 Uses wikitext-2/wiki.valid.tokens of the shared data folder (the only WikiText split kept on
 this machine): the first 90% of its lines train, the next 5% validate, the last
 5% test. The text goes through examples/mlm/prepare-wikitext-103.sh (offline, via
---mirror, 8,000 sentencepiece pieces), then both models train with the same
-shape (d_model 256, FFN 1024, 4 layers; MoA 4K8E64D vs 4 heads of 64), batch,
+--mirror, 8,000 sentencepiece pieces), then the three models train with the same
+shape (d_model 256, FFN 1024, 4 layers; MoA 4K8E64D, MoH with 2 shared + top-1 of 2 of the
+4 heads of 64, and 4 heads of 64), batch,
 learning-rate schedule and number of updates, and are scored by moa-eval-ppl on
 the held-out test lines. Writes benchmarks/results/mlm-wikitext2.{json,md}.
 """
@@ -27,6 +28,7 @@ SOURCE = shared_data("wikitext-2", "wiki.valid.tokens")
 SHAPE = ["--encoder-layers", "4", "--encoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
          "--encoder-attention-heads", "4"]
 MODELS = {"MoA 4K8E64D (moa_roberta_small)": ["--arch", "moa_roberta_small", "--criterion", "moa_masked_lm"],
+          "MoH 2+1of2, 75% active (moh_roberta_small)": ["--arch", "moh_roberta_small", "--criterion", "moa_masked_lm"],
           "Transformer 4x64 (roberta)": ["--arch", "roberta", "--criterion", "masked_lm"]}
 
 

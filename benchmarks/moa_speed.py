@@ -1,4 +1,4 @@
-"""MoA speed and memory, side by side with fairseq's multi-head attention, in one run.
+"""MoA and MoH speed and memory, side by side with fairseq's multi-head attention, in one run.
 
     .venv/bin/python benchmarks/moa_speed.py                # full run (about 10 minutes on 2 CPU cores)
     .venv/bin/python benchmarks/moa_speed.py --quick        # a smaller grid, for a smoke test
@@ -10,6 +10,14 @@ medians of --repeats runs after warm-up. FLOPs are counted analytically
 (router, selected-expert Q, shared K/V, q K^T and attention @ V, selected-expert O;
 backward = 2x forward) and compared with a float32 matmul peak measured in
 the same run (median of 2048^3 matmuls, before and after the module grid).
+
+The MoH section times one self-attention module of 16 heads of 64 (d_model 1024) at 75% (8 shared
++ top-4 of 8) and 50% (4 shared + top-4 of 12) of the heads active, and the same modules computing
+every head and multiplying by the gates (the released code's dense-masked path), against fairseq's
+16x64 multi-head attention, at 512 and 2048 tokens per sequence. The modules are timed in turn,
+round after round, and each ratio is a median over rounds; MACs are counted analytically (K/V stay
+dense: per token 2 C^2 for K and V, 2 a C^2 for Q and O, 2 a T C for the attention core, at an
+active fraction a).
 """
 
 import argparse
@@ -30,6 +38,7 @@ import moa  # noqa: E402,F401
 from authors_style_moa import AuthorsStyleMoA  # noqa: E402
 from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
 from moa.attention import MixtureOfAttentionHeads  # noqa: E402
+from moa.moh_attention import MixtureOfHeadsAttention  # noqa: E402
 from moa.models.build import build_translation_model, dictionary_of_size  # noqa: E402
 
 D_MODEL = 512
@@ -142,6 +151,49 @@ def module_grid(device, repeats, token_counts, seq_lens, peak):
     return rows
 
 
+MOH_D_MODEL, MOH_HEADS = 1024, 16
+MOH_CONFIGS = {"MoH 75% (8 + top-4 of 8)": (8, 4), "MoH 50% (4 + top-4 of 12)": (4, 4)}
+
+
+def moh_macs_per_token(active_fraction, seq):
+    """Forward MACs per token of one self-attention module at ``active_fraction`` of its heads."""
+    c = MOH_D_MODEL
+    return 2 * c * c + 2 * active_fraction * c * c + 2 * active_fraction * seq * c
+
+
+def moh_grid(device, repeats, shapes):
+    """MoH against fairseq's MHA of the same shape; ``shapes``: (seq_len, batch) pairs."""
+    torch.manual_seed(0)
+    modules = {"MHA 16x64": MultiheadAttention(MOH_D_MODEL, MOH_HEADS, self_attention=True).to(device)}
+    for name, (shared, top_k) in MOH_CONFIGS.items():
+        modules[name] = MixtureOfHeadsAttention(MOH_D_MODEL, MOH_HEADS, shared, top_k, self_attention=True).to(device)
+        dense = MixtureOfHeadsAttention(MOH_D_MODEL, MOH_HEADS, shared, top_k, self_attention=True).to(device)
+        dense.load_state_dict(modules[name].state_dict())
+        dense.compute_all_heads = True
+        modules[name + ", dense-masked"] = dense
+    rows = []
+    for seq, bsz in shapes:
+        x = torch.randn(seq, bsz, MOH_D_MODEL, device=device, requires_grad=True)
+        times = {(name, mode): [] for name in modules for mode in ("fwd", "fwd_bwd")}
+        for _ in range(repeats + 1):  # the first round warms up
+            for name, module in modules.items():
+                for mode, backward in (("fwd", False), ("fwd_bwd", True)):
+                    with (torch.enable_grad() if backward else torch.no_grad()):
+                        times[(name, mode)].append(median_time(lambda: run_module(module, x, backward), device, 1,
+                                                               warmup=0))
+        for name, module in modules.items():
+            fraction = 1.0 if name.startswith("MHA") else module.router.active_fraction
+            row = {"module": name, "seq_len": seq, "batch": bsz, "active_fraction": fraction,
+                   "macs_ratio": moh_macs_per_token(fraction, seq) / moh_macs_per_token(1.0, seq)}
+            for mode in ("fwd", "fwd_bwd"):
+                own, mha = times[(name, mode)][1:], times[("MHA 16x64", mode)][1:]
+                row[f"{mode}_ms"] = 1e3 * statistics.median(own)
+                row[f"{mode}_ratio"] = statistics.median(a / b for a, b in zip(own, mha))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def kv_cache_bytes_per_token_layer(model, device, bsz=4, steps=8):
     model.eval()
     src = torch.randint(4, 100, (bsz, 10), device=device)
@@ -174,7 +226,7 @@ def criterion_for(model, arch):
     from fairseq.criterions import CRITERION_REGISTRY
 
     task = type("Task", (), {"target_dictionary": model.decoder.dictionary})()
-    name = "moa_label_smoothed_cross_entropy" if arch.startswith("moa") else "label_smoothed_cross_entropy"
+    name = "moa_label_smoothed_cross_entropy" if arch.startswith(("moa", "moh")) else "label_smoothed_cross_entropy"
     return CRITERION_REGISTRY[name](task, sentence_avg=False, label_smoothing=0.1)
 
 
@@ -254,6 +306,13 @@ def markdown(report):
             lines.append(f"| {r['arch']} | {r['parameters']:,} | {r['train_words_per_s']:.0f} | "
                          f"{r['beam4_sentences_per_s']:.2f} | {r['kv_cache_bytes_per_token_per_layer']:.0f} | "
                          f"{r['peak_train_memory_mb']:.0f} |")
+    if report.get("moh"):
+        lines += ["", "| MoH module (d_model 1024, 16x64) | seq x batch | active heads | MACs ratio | fwd ms | fwd ratio | "
+                  "fwd+bwd ms | fwd+bwd ratio | fwd+bwd ratio / MACs ratio |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in report["moh"]:
+            lines.append(f"| {r['module']} | {r['seq_len']}x{r['batch']} | {100 * r['active_fraction']:.0f}% | "
+                         f"{r['macs_ratio']:.2f} | {r['fwd_ms']:.1f} | {r['fwd_ratio']:.2f} | {r['fwd_bwd_ms']:.1f} | "
+                         f"{r['fwd_bwd_ratio']:.2f} | {r['fwd_bwd_ratio'] / r['macs_ratio']:.2f} |")
     return "\n".join(lines)
 
 
@@ -281,12 +340,14 @@ def main():
     for r in modules:  # fractions against the higher of the two peak measurements
         for key in ("fwd_peak_fraction", "fwd_bwd_peak_fraction"):
             r[key] *= peak_before / peak
-    models = [] if args.quick or args.no_models else model_level(device, 3, ["transformer_wmt_en_de", "moa_base"])
+    moh = moh_grid(device, repeats, [(512, 1)] if args.quick else [(512, 4), (2048, 1)])
+    models = [] if args.quick or args.no_models else model_level(device, 3, ["transformer_wmt_en_de", "moa_base",
+                                                                              "moh_base"])
     report = {"date": time.strftime("%Y-%m-%d"), "device": device.type, "torch": torch.__version__,
               "threads": torch.get_num_threads(),
               "machine": (torch.cuda.get_device_name() if device.type == "cuda"
                           else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"),
-              "peak_gflops": peak / 1e9, "modules": modules, "models": models}
+              "peak_gflops": peak / 1e9, "modules": modules, "moh": moh, "models": models}
     text = markdown(report)
     print("\n" + text)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -41,6 +41,13 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     for row in report["modules"]:
         assert 0 < row["fwd_bwd_peak_fraction"] < 1.5 and row["fwd_bwd_ms"] > 0 and row["fwd_ms"] > 0
     assert "| 8K8E128D | 1024 | 64 |" in (tmp_path / "quick.md").read_text()
+    moh = {r["module"]: r for r in report["moh"]}
+    assert set(moh) == {"MHA 16x64", "MoH 75% (8 + top-4 of 8)", "MoH 50% (4 + top-4 of 12)",
+                        "MoH 75% (8 + top-4 of 8), dense-masked", "MoH 50% (4 + top-4 of 12), dense-masked"}
+    assert moh["MHA 16x64"]["macs_ratio"] == 1.0
+    assert moh["MoH 50% (4 + top-4 of 12)"]["macs_ratio"] == pytest.approx((2 + 1 + 512 / 1024) / (4 + 2 * 512 / 1024))
+    for row in moh.values():
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ratio"] > 0
 
 
 @pytest.mark.slow

@@ -1,8 +1,27 @@
-"""Incremental decoding (beam search's path) equals the full causal forward of the decoder."""
+"""Incremental decoding (beam search's path) equals the full causal forward of the decoder, for
+MoA and MoH models."""
 
+import pytest
 import torch
 
+from conftest import build_model
 from moa.attention import MixtureOfAttentionHeads
+
+MODELS = {"moa-routed-2of4": ("moa_small", ["--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8"]),
+          "moa-dense-4of4": ("moa_small", ["--moa-experts", "4", "--moa-top-k", "4", "--moa-head-dim", "8"]),
+          "moh-1+top1of3": ("moh_small", ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+                                          "--moh-shared-heads", "1", "--moh-top-k", "1"]),
+          "moh-1+top3of3": ("moh_small", ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+                                          "--moh-shared-heads", "1", "--moh-top-k", "3"])}
+
+
+@pytest.fixture(params=list(MODELS))
+def any_tiny_model(request):
+    arch, extra = MODELS[request.param]
+    torch.manual_seed(0)
+    shape = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
+             "--encoder-ffn-embed-dim", "64", "--dropout", "0", "--attention-dropout", "0"]
+    return build_model(arch, 40, shape + extra).eval()
 
 
 def _encode(model, src_tokens):
@@ -15,7 +34,8 @@ def _full_logits(model, encoder_out, prev_tokens):
     return logits
 
 
-def test_step_by_step_equals_full_forward(tiny_model):
+def test_step_by_step_equals_full_forward(any_tiny_model):
+    tiny_model = any_tiny_model
     torch.manual_seed(3)
     src = torch.randint(4, 40, (3, 6))
     src[1, :2] = tiny_model.encoder.padding_idx  # left padding, as fairseq batches sources
@@ -47,7 +67,8 @@ def test_cache_holds_one_shared_head(tiny_model):
         assert buffer["prev_value"].shape == (2, expected_len, m.head_dim)
 
 
-def test_beam_reorder_equals_full_forward_on_reordered_prefixes(tiny_model):
+def test_beam_reorder_equals_full_forward_on_reordered_prefixes(any_tiny_model):
+    tiny_model = any_tiny_model
     torch.manual_seed(4)
     src = torch.randint(4, 40, (4, 6))
     prev = torch.randint(4, 40, (4, 6))
