@@ -1,4 +1,4 @@
-"""Python use of a trained MoA translation model, through fairseq's hub interface.
+"""Python use of a trained MoA or MoH translation model (any arch of this plugin), through fairseq's hub interface.
 
     import moa.hub
     translator = moa.hub.load_translator("checkpoints/checkpoint_best.pt", "data-bin",

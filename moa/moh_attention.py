@@ -151,7 +151,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
     def _forward_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights):
         """Shared heads as multi-head attention; routed heads packed per (batch row, head)."""
         h_s, d = self.shared_heads, self.head_dim
-        y, weight_sum = x.new_zeros(x.size(0), self.embed_dim), None
+        y = weight_sum = None
         if h_s:
             q = F.linear(x, self.q_proj.weight[:h_s * d], _rows(self.q_proj.bias, h_s * d))
             q = q.view(tgt_len, bsz, h_s, d).permute(1, 2, 0, 3)
@@ -171,13 +171,15 @@ class MixtureOfHeadsAttention(RoutedAttention):
                                       need_weights)
             o_weight = self.out_proj.weight[:, h_s * d:].view(-1, e, d).permute(1, 2, 0)  # (E, D, C), a view
             gates = routing.routed_gates.reshape(-1)[plan.order]
-            y = y + expert_linear(o.reshape(-1, d), o_weight, None, plan.packed_row, plan.token, plan.group_sizes,
-                                  x.size(0), scale=gates)
+            routed = expert_linear(o.reshape(-1, d), o_weight, None, plan.packed_row, plan.token, plan.group_sizes,
+                                   x.size(0), scale=gates)
+            y = routed if y is None else y + routed
             if need_weights:
-                routed = weights.reshape(plan.num_packed_rows, -1).new_zeros(bsz * tgt_len, weights.size(-1))
-                routed.index_add_(0, plan.batch_time_row, weights.reshape(plan.num_packed_rows, -1)[plan.packed_row])
-                routed = routed.view(bsz, tgt_len, -1)
-                weight_sum = routed if weight_sum is None else weight_sum + routed
+                packed = weights.reshape(plan.num_packed_rows, -1)
+                per_token = packed.new_zeros(bsz * tgt_len, packed.size(-1))
+                per_token.index_add_(0, plan.batch_time_row, packed[plan.packed_row])
+                per_token = per_token.view(bsz, tgt_len, -1)
+                weight_sum = per_token if weight_sum is None else weight_sum + per_token
         weights = weight_sum / (h_s + self.top_k) if need_weights else None
         return y, weights
 

@@ -52,6 +52,18 @@ def build_model(arch: str, dict_size: int = 64, extra=()):
     return build_translation_model(arch, dictionary_of_size(dict_size), extra)
 
 
+def translation_sample(pad, batch=3, src_len=6, tgt_len=5):
+    """A fixed batch for a 40-symbol joined dictionary, the first target padded at its end."""
+    torch.manual_seed(5)
+    src = torch.randint(4, 40, (batch, src_len))
+    target = torch.randint(4, 40, (batch, tgt_len))
+    target[0, -2:] = pad
+    prev = torch.roll(target, 1, dims=1)
+    prev[:, 0] = 2
+    return {"net_input": {"src_tokens": src, "src_lengths": torch.full((batch,), src_len), "prev_output_tokens": prev},
+            "target": target, "ntokens": int(target.ne(pad).sum()), "nsentences": batch}
+
+
 TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
         "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8",
         "--dropout", "0", "--attention-dropout", "0", "--encoder-attention-heads", "2",

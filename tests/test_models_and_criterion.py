@@ -5,7 +5,7 @@ import torch
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from conftest import TINY, build_model
+from conftest import TINY, build_model, translation_sample
 from moa.attention import MixtureOfAttentionHeads
 
 
@@ -56,21 +56,6 @@ def test_activation_checkpointing_keeps_moa_layers():
     assert isinstance(layer.self_attn, MixtureOfAttentionHeads)
 
 
-def _sample(pad, batch=3, src_len=6, tgt_len=5):
-    torch.manual_seed(5)
-    src = torch.randint(4, 40, (batch, src_len))
-    target = torch.randint(4, 40, (batch, tgt_len))
-    target[0, -2:] = pad
-    prev = torch.roll(target, 1, dims=1)
-    prev[:, 0] = 2
-    return {
-        "net_input": {"src_tokens": src, "src_lengths": torch.full((batch,), src_len), "prev_output_tokens": prev},
-        "target": target,
-        "ntokens": int(target.ne(pad).sum()),
-        "nsentences": batch,
-    }
-
-
 def _criterion(model, alpha, beta):
     task = type("Task", (), {"target_dictionary": model.decoder.dictionary})()
     return CRITERION_REGISTRY["moa_label_smoothed_cross_entropy"](
@@ -80,7 +65,7 @@ def _criterion(model, alpha, beta):
 def test_criterion_adds_aux_losses_with_exact_per_token_weights():
     torch.manual_seed(0)
     model = build_model("moa_small", 40, TINY)
-    sample = _sample(model.decoder.padding_idx)
+    sample = translation_sample(model.decoder.padding_idx)
     model(**sample["net_input"])  # dropout is 0: the criterion's forwards route identically
     routings = model.pop_routings()
     base_loss, sample_size, base_log = _criterion(model, 0.0, 0.0)(model, sample)
@@ -101,7 +86,7 @@ def test_cross_attention_routing_ignores_target_padding():
     torch.manual_seed(0)
     model = build_model("moa_small", 40, TINY)
     pad = model.decoder.padding_idx
-    sample = _sample(pad)
+    sample = translation_sample(pad)
     model(**sample["net_input"])
     cross = [m for m in model.modules() if isinstance(m, MixtureOfAttentionHeads) and m.encoder_decoder_attention]
     real_tokens = int(sample["net_input"]["prev_output_tokens"].ne(pad).sum())
@@ -112,6 +97,6 @@ def test_cross_attention_routing_ignores_target_padding():
 
 def test_checkpointed_training_refuses_silently_dropped_aux_gradients():
     model = build_model("moa_small", 40, TINY + ["--checkpoint-activations"]).train()
-    sample = _sample(model.decoder.padding_idx)
+    sample = translation_sample(model.decoder.padding_idx)
     with pytest.raises(RuntimeError, match="checkpoint-activations"):
         _criterion(model, 0.01, 0.001)(model, sample)

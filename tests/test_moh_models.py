@@ -6,7 +6,7 @@ import torch
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from conftest import build_model
+from conftest import build_model, translation_sample
 from moa.moh_attention import MixtureOfHeadsAttention
 
 TINY_MOH = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
@@ -59,22 +59,11 @@ def test_attention_types_flag_and_bad_head_counts():
         build_model("moh_small", 40, TINY_MOH + ["--moh-top-k", "3"])
 
 
-def _sample(pad, batch=3, src_len=6, tgt_len=5):
-    torch.manual_seed(5)
-    src = torch.randint(4, 40, (batch, src_len))
-    target = torch.randint(4, 40, (batch, tgt_len))
-    target[0, -2:] = pad
-    prev = torch.roll(target, 1, dims=1)
-    prev[:, 0] = 2
-    return {"net_input": {"src_tokens": src, "src_lengths": torch.full((batch,), src_len), "prev_output_tokens": prev},
-            "target": target, "ntokens": int(target.ne(pad).sum()), "nsentences": batch}
-
-
 @pytest.mark.parametrize("balance_loss", ["paper", "experts-scaled"])
 def test_criterion_adds_the_mean_balance_loss_with_an_exact_per_token_weight(balance_loss):
     torch.manual_seed(0)
     model = build_model("moh_small", 40, TINY_MOH + ["--moh-balance-loss", balance_loss])
-    sample = _sample(model.decoder.padding_idx)
+    sample = translation_sample(model.decoder.padding_idx)
     model(**sample["net_input"])
     routings = model.pop_routings()
     assert len(routings) == 6

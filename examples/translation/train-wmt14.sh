@@ -7,7 +7,7 @@
 # GPU count sees the same effective batch (max-tokens x GPUs x update-freq = 262,144).
 # Every epoch is saved and the last 10 kept, for evaluate.sh's checkpoint averaging.
 #
-#   examples/translation/train-wmt14.sh --pair en-de|en-fr [--data DIR] [--arch moa_base|moa_big] [--gpus N]
+#   examples/translation/train-wmt14.sh --pair en-de|en-fr [--data DIR] [--arch moa_base|moa_big|moh_base] [--gpus N]
 #       [--max-tokens 8192] [--save-dir DIR] [--dry-run] [-- extra fairseq-train arguments, which win]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)

@@ -19,7 +19,7 @@ from torch import nn
 
 from moa.attention import MixtureOfAttentionHeads
 from moa.models.moa_transformer import add_moa_args, check_moa_args, moa_layer_config, set_moa_defaults
-from moa.models.routed_transformer import RoutedModel, RoutedTransformerEncoder
+from moa.models.routed_transformer import RoutedModel, RoutedTransformerEncoder, small_roberta_shape
 
 
 def init_moa_bert_params(module):
@@ -81,9 +81,6 @@ for _e, _d in ((8, 128), (8, 256), (16, 256), (32, 256), (64, 256)):
 @register_model_architecture("moa_roberta", "moa_roberta_small")
 def moa_roberta_small(args):
     """A CPU-sized MoA masked LM: d_model 256, FFN 1024, 4 layers, 4K8E64D."""
-    args.encoder_layers = getattr(args, "encoder_layers", 4)
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    small_roberta_shape(args)
     set_moa_defaults(args, experts=8, top_k=4, head_dim=64)
     roberta_base_architecture(args)

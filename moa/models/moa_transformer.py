@@ -19,7 +19,8 @@ from fairseq.models.transformer import TransformerModel, base_architecture
 
 from moa.attention import MixtureOfAttentionHeads
 from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedModel, RoutedTransformerDecoder,
-                                           RoutedTransformerEncoder, parse_attention_types, routed_layer_config)
+                                           RoutedTransformerEncoder, parse_attention_types, routed_layer_config,
+                                           small_translation_shape)
 from moa.routing import GATE_WEIGHTS
 
 
@@ -128,13 +129,6 @@ def moa_big(args):
 @register_model_architecture("moa_transformer", "moa_small")
 def moa_small(args):
     """A CPU-sized MoA: d_model 256, FFN 1024, 3+3 layers, 4K8E64D."""
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
-    args.encoder_layers = getattr(args, "encoder_layers", 3)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
-    args.decoder_layers = getattr(args, "decoder_layers", 3)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
-    args.dropout = getattr(args, "dropout", 0.1)
-    args.attention_dropout = getattr(args, "attention_dropout", 0.1)
+    small_translation_shape(args)
     set_moa_defaults(args, experts=8, top_k=4, head_dim=64)
     base_architecture(args)

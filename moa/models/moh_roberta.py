@@ -17,7 +17,7 @@ from fairseq.models.roberta.model import base_architecture as roberta_base_archi
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
 from moa.models.moh_transformer import add_moh_args, check_moh_args, moh_layer_config, set_moh_defaults
-from moa.models.routed_transformer import RoutedModel, RoutedTransformerEncoder
+from moa.models.routed_transformer import RoutedModel, RoutedTransformerEncoder, small_roberta_shape
 
 
 class MoHRobertaEncoder(RobertaEncoder):
@@ -58,10 +58,7 @@ def moh_roberta_base(args):
 @register_model_architecture("moh_roberta", "moh_roberta_small")
 def moh_roberta_small(args):
     """A CPU-sized MoH masked LM: d_model 256, FFN 1024, 4 layers, 4 heads of 64, 2 shared + top-1 of 2."""
-    args.encoder_layers = getattr(args, "encoder_layers", 4)
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    small_roberta_shape(args)
     args.moh_attention_types = getattr(args, "moh_attention_types", "encoder-self")
     set_moh_defaults(args, shared_heads=2, top_k=1)
     roberta_base_architecture(args)

@@ -17,7 +17,8 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 
 from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedModel, RoutedTransformerDecoder,
-                                           RoutedTransformerEncoder, parse_attention_types, routed_layer_config)
+                                           RoutedTransformerEncoder, parse_attention_types, routed_layer_config,
+                                           small_translation_shape)
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES
 
@@ -117,13 +118,6 @@ def moh_base(args):
 @register_model_architecture("moh_transformer", "moh_small")
 def moh_small(args):
     """A CPU-sized MoH: d_model 256, FFN 1024, 3+3 layers, 4 heads of 64, 2 shared + top-1 of 2."""
-    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 256)
-    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
-    args.encoder_layers = getattr(args, "encoder_layers", 3)
-    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
-    args.decoder_layers = getattr(args, "decoder_layers", 3)
-    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
-    args.dropout = getattr(args, "dropout", 0.1)
-    args.attention_dropout = getattr(args, "attention_dropout", 0.1)
+    small_translation_shape(args)
     set_moh_defaults(args, shared_heads=2, top_k=1)
     base_architecture(args)

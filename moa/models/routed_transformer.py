@@ -92,6 +92,22 @@ class RoutedTransformerDecoder(TransformerDecoderBase):
                 module.query_padding_mask = None
 
 
+def small_translation_shape(args) -> None:
+    """The CPU shape of ``moa_small`` and ``moh_small``: d_model 256, FFN 1024, 3+3 layers, 4 heads,
+    dropout 0.1 and attention dropout 0.1 (flags the user gave win)."""
+    for name, value in (("encoder_embed_dim", 256), ("encoder_ffn_embed_dim", 1024), ("encoder_layers", 3),
+                        ("encoder_attention_heads", 4), ("decoder_layers", 3), ("decoder_attention_heads", 4),
+                        ("dropout", 0.1), ("attention_dropout", 0.1)):
+        setattr(args, name, getattr(args, name, value))
+
+
+def small_roberta_shape(args) -> None:
+    """The CPU shape of ``moa_roberta_small`` and ``moh_roberta_small``: d_model 256, FFN 1024, 4 layers, 4 heads."""
+    for name, value in (("encoder_layers", 4), ("encoder_embed_dim", 256), ("encoder_ffn_embed_dim", 1024),
+                        ("encoder_attention_heads", 4)):
+        setattr(args, name, getattr(args, name, value))
+
+
 class RoutedModel:
     """Mixed into the MoA and MoH models: the routing decisions of the last forward, for the criterion."""
 
