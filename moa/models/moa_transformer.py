@@ -18,9 +18,8 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 
 from moa.attention import MixtureOfAttentionHeads
-from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedModel, RoutedTransformerDecoder,
-                                           RoutedTransformerEncoder, parse_attention_types, routed_layer_config,
-                                           small_translation_shape)
+from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, parse_attention_types,
+                                           routed_layer_config, small_translation_shape)
 from moa.routing import GATE_WEIGHTS
 
 
@@ -70,8 +69,10 @@ def build_moa_attention(cfg, embed_dim, kind, kdim=None):
 
 
 @register_model("moa_transformer")
-class MoATransformerModel(RoutedModel, TransformerModel):
+class MoATransformerModel(RoutedTransformerModel):
     """Transformer encoder-decoder whose attention modules are MoA (Zhang et al. 2022)."""
+
+    layer_config = staticmethod(moa_layer_config)
 
     @staticmethod
     def add_args(parser):
@@ -83,14 +84,6 @@ class MoATransformerModel(RoutedModel, TransformerModel):
         check_moa_args(args)  # fairseq has applied the arch function (the MoA defaults) already
         return super().build_model(args, task)
 
-    @classmethod
-    def build_encoder(cls, args, src_dict, embed_tokens):
-        return RoutedTransformerEncoder(moa_layer_config(args), src_dict, embed_tokens)
-
-    @classmethod
-    def build_decoder(cls, args, tgt_dict, embed_tokens):
-        return RoutedTransformerDecoder(moa_layer_config(args), tgt_dict, embed_tokens,
-                                        no_encoder_attn=getattr(args, "no_cross_attention", False))
 
 
 def set_moa_defaults(args, experts, top_k, head_dim):

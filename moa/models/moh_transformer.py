@@ -16,9 +16,8 @@ Archs:
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 
-from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedModel, RoutedTransformerDecoder,
-                                           RoutedTransformerEncoder, parse_attention_types, routed_layer_config,
-                                           small_translation_shape)
+from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, parse_attention_types,
+                                           routed_layer_config, small_translation_shape)
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES
 
@@ -74,8 +73,10 @@ def moh_layer_config(args):
 
 
 @register_model("moh_transformer")
-class MoHTransformerModel(RoutedModel, TransformerModel):
+class MoHTransformerModel(RoutedTransformerModel):
     """Transformer encoder-decoder whose attention modules are MoH (Jin et al. 2025)."""
+
+    layer_config = staticmethod(moh_layer_config)
 
     @staticmethod
     def add_args(parser):
@@ -88,14 +89,6 @@ class MoHTransformerModel(RoutedModel, TransformerModel):
                               "decoder-cross": args.decoder_attention_heads})
         return super().build_model(args, task)
 
-    @classmethod
-    def build_encoder(cls, args, src_dict, embed_tokens):
-        return RoutedTransformerEncoder(moh_layer_config(args), src_dict, embed_tokens)
-
-    @classmethod
-    def build_decoder(cls, args, tgt_dict, embed_tokens):
-        return RoutedTransformerDecoder(moh_layer_config(args), tgt_dict, embed_tokens,
-                                        no_encoder_attn=getattr(args, "no_cross_attention", False))
 
 
 def set_moh_defaults(args, shared_heads, top_k):

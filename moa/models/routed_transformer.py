@@ -12,7 +12,7 @@ criterion: ``model.pop_routings()``.
 from typing import Callable, List
 
 from fairseq.distributed import fsdp_wrap
-from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerEncoderBase
+from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerEncoderBase, TransformerModel
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
@@ -120,3 +120,19 @@ class RoutedModel:
                 routings.append(module.routing)
                 module.routing = None
         return routings
+
+
+class RoutedTransformerModel(RoutedModel, TransformerModel):
+    """fairseq's ``TransformerModel`` with the routed encoder and decoder; a subclass says which
+    attention they build through ``layer_config(args)`` (a :func:`routed_layer_config`)."""
+
+    layer_config: Callable = None
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return RoutedTransformerEncoder(cls.layer_config(args), src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        return RoutedTransformerDecoder(cls.layer_config(args), tgt_dict, embed_tokens,
+                                        no_encoder_attn=getattr(args, "no_cross_attention", False))
