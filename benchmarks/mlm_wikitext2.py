@@ -51,13 +51,17 @@ def _main(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--updates", type=int, default=600)
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-mlm"))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), metavar="MODEL", default=list(MODELS),
+                        help="train only these (names as in MODELS); their rows replace the same models' rows of "
+                             "the results file, the other rows stay, each with its date")
     args = parser.parse_args(argv)
     if not os.path.exists(SOURCE):
         raise ToolError(f"{SOURCE} is missing: this benchmark reads the shared WikiText-2 file "
                         "(set MOA_SHARED_DATA to the folder that holds wikitext-2/)")
     data_bin = prepare(args.workdir)
     rows = []
-    for name, model_args in MODELS.items():
+    for name in args.models:
+        model_args = MODELS[name]
         save = os.path.join(args.workdir, re.sub(r"\W+", "-", name))
         started = time.time()
         log = run_logged([fairseq_command("fairseq-train"), data_bin, "--user-dir", USER_DIR,
@@ -75,21 +79,25 @@ def _main(argv):
                               "valid", "test", "--", "--skip-invalid-size-inputs-valid-test"])
         ppl = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+): .*exp\(NLL\) = ([\d.]+)", ppl_out, re.M)}
         params = re.search(r"num\. shared model params: ([\d,]+)", log)
-        row = {"model": name, "parameters": int(params.group(1).replace(",", "")) if params else None,
+        row = {"model": name, "date": time.strftime("%Y-%m-%d"), "parameters": int(params.group(1).replace(",", "")) if params else None,
                "updates": args.updates, "train_wall_s": wall,
                "train_words_per_s": sum(wps) / len(wps) if wps else math.nan,
                "valid_ppl": ppl.get("valid"), "test_ppl": ppl.get("test")}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    lines = [f"MLM on WikiText-2 text, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, {args.updates} updates of "
-             "16 x 256-token samples each, masked-token perplexity exp(NLL) on held-out lines.", "",
-             "| model | parameters | train words/s | wall s | valid ppl | test ppl |", "|---|---|---|---|---|---|"]
+    out = os.path.join(RESULTS, "mlm-wikitext2")
+    if os.path.exists(out + ".json"):  # keep the rows of the models not trained now
+        with open(out + ".json", encoding="utf-8") as f:
+            kept = [r for r in json.load(f) if r["model"] not in args.models and r.get("updates") == args.updates]
+        rows = sorted(kept + rows, key=lambda r: list(MODELS).index(r["model"]) if r["model"] in MODELS else 99)
+    lines = [f"MLM on WikiText-2 text, {os.cpu_count()} CPUs, {args.updates} updates of 16 x 256-token samples each, "
+             "masked-token perplexity exp(NLL) on held-out lines.", "",
+             "| model | date | parameters | train words/s | wall s | valid ppl | test ppl |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['parameters']:,} | {r['train_words_per_s']:.0f} | {r['train_wall_s']:.0f} | "
-                     f"{r['valid_ppl']:.2f} | {r['test_ppl']:.2f} |")
+        lines.append(f"| {r['model']} | {r['date']} | {r['parameters']:,} | {r['train_words_per_s']:.0f} | "
+                     f"{r['train_wall_s']:.0f} | {r['valid_ppl']:.2f} | {r['test_ppl']:.2f} |")
     text = "\n".join(lines)
     print("\n" + text)
-    out = os.path.join(RESULTS, "mlm-wikitext2")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".json", "w") as f:
         json.dump(rows, f, indent=1)

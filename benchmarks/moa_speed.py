@@ -151,6 +151,7 @@ def module_grid(device, repeats, token_counts, seq_lens, peak):
     return rows
 
 
+SECTIONS = ("modules", "moh", "models")
 MOH_D_MODEL, MOH_HEADS = 1024, 16
 MOH_CONFIGS = {"MoH 75% (8 + top-4 of 8)": (8, 4), "MoH 50% (4 + top-4 of 12)": (4, 4)}
 
@@ -287,8 +288,11 @@ def memory_child(arch, device, bsz, length):
 
 
 def markdown(report):
-    lines = [f"MoA benchmark, {report['date']}, {report['machine']}, torch {report['torch']}, "
-             f"{report['threads']} threads. Matmul peak (float32 2048^3): {report['peak_gflops']:.0f} GFLOP/s.", "",
+    dates = ", ".join(f"{name} {date}" for name, date in report["dates"].items())
+    lines = [f"MoA and MoH benchmark, {report['machine']}, torch {report['torch']}, {report['threads']} threads "
+             f"(measured: {dates})."
+             + (f" Matmul peak (float32 2048^3): {report['peak_gflops']:.0f} GFLOP/s." if "peak_gflops" in report else ""),
+             "",
              "| module | tokens | seq | fwd ms | fwd+bwd ms | fwd+bwd % of peak | vs MHA (fwd+bwd) | overhead | "
              "authors-style fwd+bwd ms | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
     mha = {(r["tokens"], r["seq_len"]): r for r in report["modules"] if r["module"] == "MHA 8x64"}
@@ -321,7 +325,9 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="a few shapes and 2 repeats, no model level")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-models", action="store_true", help="skip the model-level section")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="which sections to run (default: all); a partial run replaces those sections of an "
+                             "existing --out file and keeps the others, each section with its date")
     parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/<device>.json")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
@@ -334,24 +340,33 @@ def main():
     repeats = 2 if args.quick else args.repeats
     tokens = [256, 1024] if args.quick else [256, 1024, 4096, 8192]
     seqs = [64] if args.quick else [64, 256]
-    peak_before = matmul_peak(device, repeats)
-    modules = module_grid(device, repeats, tokens, seqs, peak_before)
-    peak = max(peak_before, matmul_peak(device, repeats))
-    for r in modules:  # fractions against the higher of the two peak measurements
-        for key in ("fwd_peak_fraction", "fwd_bwd_peak_fraction"):
-            r[key] *= peak_before / peak
-    moh = moh_grid(device, repeats, [(512, 1)] if args.quick else [(512, 4), (2048, 1)])
-    models = [] if args.quick or args.no_models else model_level(device, 3, ["transformer_wmt_en_de", "moa_base",
-                                                                              "moh_base"])
-    report = {"date": time.strftime("%Y-%m-%d"), "device": device.type, "torch": torch.__version__,
-              "threads": torch.get_num_threads(),
-              "machine": (torch.cuda.get_device_name() if device.type == "cuda"
-                          else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"),
-              "peak_gflops": peak / 1e9, "modules": modules, "moh": moh, "models": models}
-    text = markdown(report)
-    print("\n" + text)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"{device.type}{'-quick' if args.quick else ''}.json")
+    report = {"modules": [], "moh": [], "models": [], "dates": {}}
+    if set(args.sections) != set(SECTIONS) and os.path.exists(out):  # a partial run updates its sections only
+        with open(out) as f:
+            report.update(json.load(f))
+    report.update({"device": device.type, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                   "machine": (torch.cuda.get_device_name() if device.type == "cuda"
+                               else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")})
+    today = time.strftime("%Y-%m-%d")
+    if "modules" in args.sections:
+        peak_before = matmul_peak(device, repeats)
+        modules = module_grid(device, repeats, tokens, seqs, peak_before)
+        peak = max(peak_before, matmul_peak(device, repeats))
+        for r in modules:  # fractions against the higher of the two peak measurements
+            for key in ("fwd_peak_fraction", "fwd_bwd_peak_fraction"):
+                r[key] *= peak_before / peak
+        report.update(modules=modules, peak_gflops=peak / 1e9)
+        report["dates"]["modules"] = today
+    if "moh" in args.sections:
+        report["moh"] = moh_grid(device, repeats, [(512, 1)] if args.quick else [(512, 4), (2048, 1)])
+        report["dates"]["moh"] = today
+    if "models" in args.sections and not args.quick:
+        report["models"] = model_level(device, 3, ["transformer_wmt_en_de", "moa_base", "moh_base"])
+        report["dates"]["models"] = today
+    text = markdown(report)
+    print("\n" + text)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=1)

@@ -26,9 +26,9 @@ The models (--models):
   through a single shared 64-wide value head the decoder reads the source more slowly early in
   training, and this row measures how much of the gap that explains;
 * ``moh``: ``moh_small``, the Transformer's 4 heads of 64 as MoH, 2 shared + top-1 of 2 routed
-  (75% of the heads active per token) in all three attention types, the released code's gate
-  scaling (``--moh-gate-scale unit``); ``moh-paper`` is the same with the paper's gates
-  (``softmax``), not in the default set;
+  (75% of the heads active per token) in all three attention types, with the paper's gates
+  (``--moh-gate-scale softmax``, moh's default); ``moh-unit`` is the same with the released code's
+  scaling (``unit``), not in the default set;
 * ``transformer``: fairseq's ``transformer`` with 4 heads of 64.
 
 ``--moa-config kKeEdD`` gives both MoA models other experts: 4K4E128D has the proportions of the
@@ -87,8 +87,8 @@ def models(moa_config=DEFAULT_MOA):
         "moa": (f"MoA {moa_config} (moa_small)", moa_args),
         "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)",
                      moa_args + ["--moa-attention-types", "encoder-self,decoder-self"]),
-        "moh": ("MoH 2+1of2, 75% active (moh_small)", MOH + ["--moh-gate-scale", "unit"]),
-        "moh-paper": ("MoH 2+1of2, 75% active, paper gates (moh_small)", MOH + ["--moh-gate-scale", "softmax"]),
+        "moh": ("MoH 2+1of2, paper gates (moh_small)", MOH + ["--moh-gate-scale", "softmax"]),
+        "moh-unit": ("MoH 2+1of2, unit gates (moh_small)", MOH + ["--moh-gate-scale", "unit"]),
         "transformer": ("Transformer 4x64 (transformer)", ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]),
     }
 

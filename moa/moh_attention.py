@@ -85,7 +85,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, shared_heads: int, top_k: int, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, dropout: float = 0.0, bias: bool = True, self_attention: bool = False,
-                 encoder_decoder_attention: bool = False, gate_scale: str = "unit", balance_loss: str = "paper"):
+                 encoder_decoder_attention: bool = False, gate_scale: str = "softmax", balance_loss: str = "paper"):
         super().__init__(self_attention, encoder_decoder_attention)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 GATE_WEIGHTS = ("renormalized", "raw")
-HEAD_GATE_SCALES = ("unit", "softmax")
+HEAD_GATE_SCALES = ("softmax", "unit")
 BALANCE_LOSSES = ("paper", "experts-scaled")
 
 
@@ -156,8 +156,8 @@ class TwoStageHeadRouter(nn.Module):
     code: K at uniform routing).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, shared_heads: int, top_k: int, gate_scale: str = "unit",
-                 balance_loss: str = "paper"):
+    def __init__(self, embed_dim: int, num_heads: int, shared_heads: int, top_k: int,
+                 gate_scale: str = "softmax", balance_loss: str = "paper"):
         super().__init__()
         routed = num_heads - shared_heads
         if not 0 <= shared_heads <= num_heads:

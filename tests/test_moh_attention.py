@@ -137,7 +137,7 @@ def test_active_heads_path_equals_computing_every_head():
 def test_every_head_active_with_uniform_routers_is_fairseqs_multihead_attention():
     torch.manual_seed(0)
     mha = MultiheadAttention(32, 4, self_attention=True).double().eval()
-    m = MixtureOfHeadsAttention(32, 4, 1, 3, self_attention=True).double().eval()  # released scaling
+    m = MixtureOfHeadsAttention(32, 4, 1, 3, self_attention=True, gate_scale="unit").double().eval()
     missing = m.load_state_dict(mha.state_dict(), strict=False)
     assert sorted(missing.missing_keys) == ["router.mix.weight", "router.routed.weight", "router.shared.weight"]
     assert not missing.unexpected_keys

@@ -28,8 +28,8 @@ def add_moh_args(parser):
                         help="heads always active (the first H_S of each module)")
     parser.add_argument("--moh-top-k", type=int, metavar="K", help="routed heads selected per token, of the rest")
     parser.add_argument("--moh-gate-scale", choices=HEAD_GATE_SCALES,
-                        help="unit: the released code's gates, 1 for every active head under uniform routers; "
-                             "softmax: the paper's equations, alpha * softmax")
+                        help="softmax: the paper's equations, alpha * softmax (default; it trained better on "
+                             "Multi30k); unit: the released code's scaling, 1 for every active head under uniform routers")
     parser.add_argument("--moh-balance-loss", choices=BALANCE_LOSSES,
                         help="paper: L_b = sum_i P_i f_i (default); experts-scaled: E * sum_i P_i f_i, the released code")
     parser.add_argument("--moh-attention-types", type=str, metavar="LIST",
@@ -95,7 +95,7 @@ def set_moh_defaults(args, shared_heads, top_k):
     """Fill the MoH flags the user did not give."""
     args.moh_shared_heads = getattr(args, "moh_shared_heads", shared_heads)
     args.moh_top_k = getattr(args, "moh_top_k", top_k)
-    args.moh_gate_scale = getattr(args, "moh_gate_scale", "unit")
+    args.moh_gate_scale = getattr(args, "moh_gate_scale", "softmax")
     args.moh_balance_loss = getattr(args, "moh_balance_loss", "paper")
     args.moh_attention_types = getattr(args, "moh_attention_types", ",".join(ATTENTION_TYPES))
 
