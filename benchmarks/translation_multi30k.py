@@ -170,7 +170,7 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
     hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
     report = bleu_report(hyps, refs, tgt)
     translated = int(re.search(r"Translated ([\d,]+) sentences", gen).group(1).replace(",", ""))
-    return {"pair": pair, "model": name, "seed": seed, "parameters": params,
+    return {"pair": pair, "model": name, "seed": seed, "date": time.strftime("%Y-%m-%d"), "parameters": params,
             "macs_per_target_token": macs_per_target_token(checkpoint, data_dir, src, tgt),
             "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
             "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
@@ -180,21 +180,25 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
 
 
 def markdown(rows, budget_text):
-    lines = [f"Multi30k, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}, budget: {budget_text}.",
-             "Test: test_2016_flickr, beam 4, length penalty 0.6, checkpoint_best. MACs: forward, per target token.", "",
-             "| pair | seed | model | parameters | MACs/token | train words/s | train s | updates | valid loss | sacreBLEU | tok. BLEU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Multi30k, {os.cpu_count()} CPUs, torch {torch.__version__}, budget: {budget_text}.",
+             "Test: test_2016_flickr, beam 4, length penalty 0.6, checkpoint_best. MACs: forward, per target token.",
+             "Differences are to the Transformer of the same pair, seed and date: an equal-time budget buys as many "
+             "updates as the machine's speed that day allows.", "",
+             "| pair | seed | date | model | parameters | MACs/token | train words/s | train s | updates | valid loss | "
+             "sacreBLEU | tok. BLEU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['pair']} | {r['seed']} | {r['model']} | {r['parameters']:,} | {r['macs_per_target_token'] / 1e6:.2f}M | "
+        lines.append(f"| {r['pair']} | {r['seed']} | {r['date']} | {r['model']} | {r['parameters']:,} | "
+                     f"{r['macs_per_target_token'] / 1e6:.2f}M | "
                      f"{r['train_words_per_s']:.0f} | {r['train_wall_s']:.0f} | {r['updates']} | {r['best_valid_loss']:.3f} | "
                      f"{r['sacrebleu']:.2f} | {r['tokenized_bleu']:.2f} |")
-    lines += ["", "| pair | seed | model | BLEU difference to the Transformer | words/s ratio | MACs ratio | parameters ratio |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| pair | seed | date | model | BLEU difference to the Transformer | words/s ratio | MACs ratio | "
+              "parameters ratio |", "|---|---|---|---|---|---|---|---|"]
     differences = {}  # (pair, model) -> one sacreBLEU difference per seed
     for t in [r for r in rows if r["model"] == MODELS["transformer"][0]]:
-        for m in [r for r in rows if r["pair"] == t["pair"] and r["seed"] == t["seed"] and r is not t]:
+        same_run = [r for r in rows if r is not t and (r["pair"], r["seed"], r["date"]) == (t["pair"], t["seed"], t["date"])]
+        for m in same_run:
             differences.setdefault((t["pair"], m["model"]), []).append(m["sacrebleu"] - t["sacrebleu"])
-            lines.append(f"| {t['pair']} | {t['seed']} | {m['model']} | {m['sacrebleu'] - t['sacrebleu']:+.2f} | "
+            lines.append(f"| {t['pair']} | {t['seed']} | {t['date']} | {m['model']} | {m['sacrebleu'] - t['sacrebleu']:+.2f} | "
                          f"{m['train_words_per_s'] / t['train_words_per_s']:.2f}x | "
                          f"{m['macs_per_target_token'] / t['macs_per_target_token']:.2f}x | "
                          f"{m['parameters'] / t['parameters']:.2f}x |")
@@ -216,13 +220,17 @@ def combined(paths):
         named = re.search(r", seed (\d+)$", report["budget"])
         for row in report["rows"]:
             row.setdefault("seed", int(named.group(1)) if named else 1)
-            rows.append(row)
+            rows.append((path, row))
         budgets.append(re.sub(r", seeds? [\d, ]+$", "", report["budget"]))
     if len(set(budgets)) != 1:
         raise ToolError(f"--combine: these runs had different budgets ({'; '.join(sorted(set(budgets)))}); "
                  "their BLEU is not comparable")
+    undated = sorted({path for path, row in rows if "date" not in row})
+    if undated:
+        raise ToolError(f"--combine: the rows of {', '.join(undated)} carry no date; add the day each was measured")
+    rows = [row for _, row in rows]
     seeds = sorted({r["seed"] for r in rows})
-    rows.sort(key=lambda r: (r["pair"], r["seed"]))
+    rows.sort(key=lambda r: (r["pair"], r["seed"], r["date"]))
     return rows, f"{budgets[0]}, seeds {', '.join(map(str, seeds))}"
 
 

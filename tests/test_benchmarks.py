@@ -63,16 +63,18 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "result.json").read_text())
-    moa_row, moa_self_row, transformer_row = report["rows"][:3]
-    assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in ("moa", "moa-self", "transformer")] * 2
-    assert [r["seed"] for r in report["rows"]] == [1, 1, 1, 2, 2, 2]
+    moa_row, moa_self_row, moh_row, transformer_row = report["rows"][:4]
+    keys = ("moa", "moa-self", "moh", "transformer")
+    assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in keys] * 2
+    assert [r["seed"] for r in report["rows"]] == [1] * 4 + [2] * 4
     assert report["budget"] == "equal updates, 20 per model, batches of up to 2048 tokens, 200 warmup updates, seeds 1, 2"
     # the seed reaches fairseq: another initialisation and batch order, so another validation loss
-    for first, second in zip(report["rows"][:3], report["rows"][3:]):
+    for first, second in zip(report["rows"][:4], report["rows"][4:]):
         assert first["best_valid_loss"] != second["best_valid_loss"]
     dictionary = Dictionary.load(str(tmp_path / "work" / "multi30k-en-de" / "data-bin" / "dict.en.txt"))
-    for row, extra in ((moa_row, []), (moa_self_row, ["--moa-attention-types", "encoder-self,decoder-self"])):
-        model = build_translation_model("moa_small", dictionary, ["--share-all-embeddings", *extra])
+    for row, arch, extra in ((moa_row, "moa_small", []), (moh_row, "moh_small", []),
+                             (moa_self_row, "moa_small", ["--moa-attention-types", "encoder-self,decoder-self"])):
+        model = build_translation_model(arch, dictionary, ["--share-all-embeddings", *extra])
         assert row["parameters"] == sum(p.numel() for p in model.parameters())
     for row in report["rows"]:
         assert row["updates"] == 20 and row["translated"] == row["test_sentences"] == 100
@@ -81,11 +83,15 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     # the hybrid keeps multi-head cross-attention, so it lies between the two
     assert (moa_row["macs_per_target_token"] < moa_self_row["macs_per_target_token"]
             < transformer_row["macs_per_target_token"])
+    # MoH computes 3 of the 4 heads' queries, attention and output projections per token; K and V stay dense
+    assert moh_row["macs_per_target_token"] < transformer_row["macs_per_target_token"]
     table = (tmp_path / "result.md").read_text()
-    assert "| en-de | MoA 4K8E64D (moa_small) |" in table
-    assert f"| en-de | 1 | {MODEL_LABELS['moa-self']} | {moa_self_row['sacrebleu'] - transformer_row['sacrebleu']:+.2f} |" in table
+    date = moa_row["date"]
+    assert f"| en-de | 1 | {date} | MoA 4K8E64D (moa_small) |" in table
+    assert (f"| en-de | 1 | {date} | {MODEL_LABELS['moa-self']} | "
+            f"{moa_self_row['sacrebleu'] - transformer_row['sacrebleu']:+.2f} |") in table
     rows = report["rows"]
-    differences = [rows[i + 1]["sacrebleu"] - rows[i + 2]["sacrebleu"] for i in (0, 3)]
+    differences = [rows[i + 1]["sacrebleu"] - rows[i + 3]["sacrebleu"] for i in (0, 4)]
     mean = f"| en-de | {MODEL_LABELS['moa-self']} | 2 | {sum(differences) / 2:+.2f} | {differences[0]:+.2f}, {differences[1]:+.2f} |"
     assert mean in table
     # --combine redraws the same tables from result files, here one file per seed
