@@ -26,6 +26,11 @@ def test_moh_base_parameter_count_with_a_32768_joined_dictionary():
     assert {(m.num_heads, m.shared_heads, m.top_k, m.head_dim) for m in modules} == {(8, 4, 2, 64)}
 
 
+def test_moh_roberta_base_adds_its_routers_to_roberta_base():
+    assert _count(build_model("moh_roberta_base", 50005)) == _count(build_model("roberta_base", 50005)) \
+        + 12 * 768 * (12 + 2) == 124_625_749
+
+
 @pytest.mark.parametrize("arch, heads, shared, top_k, modules", [
     ("moh_small", 4, 2, 1, 9), ("moh_roberta_small", 4, 2, 1, 4), ("moh_roberta_base", 12, 6, 3, 12)])
 def test_cpu_and_roberta_archs(arch, heads, shared, top_k, modules):
