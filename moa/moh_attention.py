@@ -21,6 +21,10 @@ the routed heads go through :func:`~moa.experts.expert_linear`, so an unselected
 W_O^i are never applied to that token. ``compute_all_heads = True`` computes every head and
 multiplies by the gates, zero for unselected heads, as the released code does; it is kept as the
 test reference, and used when every routed head is active anyway (K = E).
+
+``router="query-norm"`` replaces the learned router with the parameter-free one of converted models
+(:class:`~moa.routing.QueryNormHeadRouter`): it needs every routed head's query to score them, so
+those are projected once for all tokens and the selected ones are reused for attention.
 """
 
 from typing import Optional, Tuple
@@ -34,7 +38,7 @@ from torch import Tensor, nn
 
 from moa.attention_base import IncrementalState, RoutedAttention, attention_bias
 from moa.experts import expert_linear
-from moa.routing import HeadRouting, TwoStageHeadRouter
+from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStageHeadRouter
 
 
 class HeadPacking:
@@ -75,8 +79,9 @@ class HeadPacking:
 @with_incremental_state
 class MixtureOfHeadsAttention(RoutedAttention):
     """MoH attention: ``num_heads`` heads of width embed_dim / num_heads, ``shared_heads`` always
-    active, ``top_k`` of the rest per token. ``gate_scale`` and ``balance_loss``: see
-    :class:`~moa.routing.TwoStageHeadRouter`.
+    active, ``top_k`` of the rest per token. ``router``: ``learned`` (the paper's two-stage router;
+    ``gate_scale`` and ``balance_loss``: see :class:`~moa.routing.TwoStageHeadRouter`) or
+    ``query-norm`` (:class:`~moa.routing.QueryNormHeadRouter`, no parameters).
 
     After each forward, ``self.routing`` holds the :class:`~moa.routing.HeadRouting` of the queries.
     """
@@ -85,7 +90,8 @@ class MixtureOfHeadsAttention(RoutedAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, shared_heads: int, top_k: int, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, dropout: float = 0.0, bias: bool = True, self_attention: bool = False,
-                 encoder_decoder_attention: bool = False, gate_scale: str = "softmax", balance_loss: str = "paper"):
+                 encoder_decoder_attention: bool = False, gate_scale: str = "softmax", balance_loss: str = "paper",
+                 router: str = "learned"):
         super().__init__(self_attention, encoder_decoder_attention)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
@@ -94,7 +100,10 @@ class MixtureOfHeadsAttention(RoutedAttention):
         self.shared_heads, self.top_k = shared_heads, top_k
         self.scaling = self.head_dim ** -0.5
         self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
-        self.router = TwoStageHeadRouter(embed_dim, num_heads, shared_heads, top_k, gate_scale, balance_loss)
+        if router not in HEAD_ROUTERS:
+            raise ValueError(f"router must be one of {HEAD_ROUTERS}, got {router!r}")
+        self.router = QueryNormHeadRouter(num_heads, shared_heads, top_k) if router == "query-norm" else \
+            TwoStageHeadRouter(embed_dim, num_heads, shared_heads, top_k, gate_scale, balance_loss)
         self.k_proj = nn.Linear(kdim or embed_dim, embed_dim, bias=bias)
         self.v_proj = nn.Linear(vdim or embed_dim, embed_dim, bias=bias)
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -136,20 +145,29 @@ class MixtureOfHeadsAttention(RoutedAttention):
         keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
                                                                static_kv, self._project_key_value)
         x = query.reshape(tgt_len * bsz, embed_dim)
-        routing = self.router(x, self.flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
+        padding = self.flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz)
+        routed_queries = None
+        if isinstance(self.router, QueryNormHeadRouter):
+            routed_queries = self._routed_queries(x)
+            routing = self.router(routed_queries, x.size(0), padding)
+        else:
+            routing = self.router(x, padding)
         self.routing = routing
         bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
         if self.compute_all_heads or need_head_weights or self.top_k == self.router.routed_heads:
             y, weights = self._forward_all_heads(x, routing, keys, values, bias, tgt_len, bsz,
                                                  need_weights or need_head_weights, need_head_weights)
         else:
-            y, weights = self._forward_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights)
+            y, weights = self._forward_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
+                                                    routed_queries)
         if self.out_proj.bias is not None:
             y = y + self.out_proj.bias
         return y.view(tgt_len, bsz, embed_dim), weights
 
-    def _forward_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights):
-        """Shared heads as multi-head attention; routed heads packed per (batch row, head)."""
+    def _forward_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
+                              routed_queries: Optional[Tensor] = None):
+        """Shared heads as multi-head attention; routed heads packed per (batch row, head).
+        routed_queries: (N, E, D), every routed head's query when the router computed them."""
         h_s, d = self.shared_heads, self.head_dim
         y = weight_sum = None
         if h_s:
@@ -163,10 +181,15 @@ class MixtureOfHeadsAttention(RoutedAttention):
         if self.top_k:
             e = self.router.routed_heads
             plan = HeadPacking(routing.heads, e, tgt_len, bsz)
-            q_weight = self.q_proj.weight[h_s * d:].view(e, d, -1).transpose(1, 2)  # (E, C, D), a view
-            q_bias = None if self.q_proj.bias is None else self.q_proj.bias[h_s * d:].view(e, d)
-            q = expert_linear(x, q_weight, q_bias, plan.token, plan.packed_row, plan.group_sizes,
-                              plan.num_packed_rows).view(bsz, e, plan.length, d)
+            if routed_queries is None:
+                q_weight = self.q_proj.weight[h_s * d:].view(e, d, -1).transpose(1, 2)  # (E, C, D), a view
+                q_bias = None if self.q_proj.bias is None else self.q_proj.bias[h_s * d:].view(e, d)
+                q = expert_linear(x, q_weight, q_bias, plan.token, plan.packed_row, plan.group_sizes,
+                                  plan.num_packed_rows)
+            else:
+                selected = routed_queries[plan.token, routing.heads.reshape(-1)[plan.order]]  # (N * K, D)
+                q = selected.new_zeros(plan.num_packed_rows, d).index_copy(0, plan.packed_row, selected)
+            q = q.view(bsz, e, plan.length, d)
             o, weights = self._attend(q, keys[:, h_s:], values[:, h_s:], _packed_bias(bias, plan.position),
                                       need_weights)
             o_weight = self.out_proj.weight[:, h_s * d:].view(-1, e, d).permute(1, 2, 0)  # (E, D, C), a view
@@ -222,6 +245,14 @@ class MixtureOfHeadsAttention(RoutedAttention):
         probs = utils.softmax(scores, dim=-1).type_as(scores)
         return torch.matmul(self.dropout_module(probs), values), probs
 
+    def _routed_queries(self, x: Tensor) -> Optional[Tensor]:
+        """(N, E, D): every routed head's query (unscaled), or None when every head is shared."""
+        start = self.shared_heads * self.head_dim
+        if not self.router.routed_heads:
+            return None
+        q = F.linear(x, self.q_proj.weight[start:], _rows_from(self.q_proj.bias, start))
+        return q.view(x.size(0), self.router.routed_heads, self.head_dim)
+
     def _project_key_value(self, key: Tensor, value: Tensor):
         """Every head's keys and values: (src_len, batch, dim) -> (batch, heads, src_len, D) each."""
         src_len, bsz = key.shape[:2]
@@ -232,13 +263,19 @@ class MixtureOfHeadsAttention(RoutedAttention):
         return heads(self.k_proj(key)), heads(self.v_proj(value))
 
     def extra_repr(self) -> str:
+        router = "query-norm" if isinstance(self.router, QueryNormHeadRouter) else \
+            f"learned, gate_scale={self.router.gate_scale}"
         return (f"heads={self.num_heads} (shared {self.shared_heads}, top-{self.top_k} of "
-                f"{self.router.routed_heads} routed), head_dim={self.head_dim}, gate_scale={self.router.gate_scale}, "
+                f"{self.router.routed_heads} routed), head_dim={self.head_dim}, router={router}, "
                 f"self_attention={self.self_attention}, encoder_decoder_attention={self.encoder_decoder_attention}")
 
 
 def _rows(bias: Optional[Tensor], n: int) -> Optional[Tensor]:
     return None if bias is None else bias[:n]
+
+
+def _rows_from(bias: Optional[Tensor], start: int) -> Optional[Tensor]:
+    return None if bias is None else bias[start:]
 
 
 def _packed_bias(bias: Optional[Tensor], position: Tensor) -> Optional[Tensor]:

@@ -18,7 +18,8 @@ the non-padding tokens only:
 * router z-loss ``L_z = mean_t (logsumexp_i logit_{t,i})^2``.
 
 MoH (Jin et al. 2025, Sec. 3.2): :class:`TwoStageHeadRouter`, shared heads always on and top-K of
-the routed heads, weighted by a second stage that mixes the two groups (see its docstring).
+the routed heads, weighted by a second stage that mixes the two groups (see its docstring); and
+:class:`QueryNormHeadRouter`, the parameter-free router of converted models (MoH-LLaMA3).
 """
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 GATE_WEIGHTS = ("renormalized", "raw")
 HEAD_GATE_SCALES = ("softmax", "unit")
 BALANCE_LOSSES = ("paper", "experts-scaled")
+HEAD_ROUTERS = ("learned", "query-norm")
 
 
 @dataclass
@@ -126,7 +128,8 @@ class HeadRouting:
     heads: (N, K) int64, the selected routed heads (0..E-1, most probable first), or None when K = 0.
     routed_gates: (N, K) their gates, or None. Gates are in the input's dtype.
     balance_loss: scalar L_b (float32); head_load: (E,) float32 (token, slot) assignments per
-    routed head, padding excluded; mean_alpha_shared: scalar mean alpha1 over real tokens.
+    routed head, padding excluded; mean_alpha_shared: scalar mean alpha1 over real tokens;
+    learned: False for :class:`QueryNormHeadRouter`, whose L_b is a constant 0.
     """
 
     shared_gates: Optional[Tensor]
@@ -136,6 +139,19 @@ class HeadRouting:
     head_load: Tensor
     mean_alpha_shared: Tensor
     active_fraction: float
+    learned: bool = True  # False for the parameter-free router: no L_b to train
+
+
+def check_head_counts(num_heads: int, shared_heads: int, top_k: int) -> int:
+    """The number of routed heads, E = num_heads - shared_heads, after checking that 0 <= h_s <= h
+    and 1 <= K <= E (K = 0 only when every head is shared)."""
+    routed = num_heads - shared_heads
+    if not 0 <= shared_heads <= num_heads:
+        raise ValueError(f"shared_heads must be between 0 and num_heads={num_heads}, got {shared_heads}")
+    if not (1 <= top_k <= routed if routed else top_k == 0):
+        raise ValueError(f"top_k must be between 1 and the {routed} routed heads, got {top_k}" if routed else
+                         f"top_k must be 0 when every one of the {num_heads} heads is shared, got {top_k}")
+    return routed
 
 
 class TwoStageHeadRouter(nn.Module):
@@ -159,12 +175,7 @@ class TwoStageHeadRouter(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, shared_heads: int, top_k: int,
                  gate_scale: str = "softmax", balance_loss: str = "paper"):
         super().__init__()
-        routed = num_heads - shared_heads
-        if not 0 <= shared_heads <= num_heads:
-            raise ValueError(f"shared_heads must be between 0 and num_heads={num_heads}, got {shared_heads}")
-        if not (1 <= top_k <= routed if routed else top_k == 0):
-            raise ValueError(f"top_k must be between 1 and the {routed} routed heads, got {top_k}" if routed else
-                             f"top_k must be 0 when every one of the {num_heads} heads is shared, got {top_k}")
+        routed = check_head_counts(num_heads, shared_heads, top_k)
         if gate_scale not in HEAD_GATE_SCALES:
             raise ValueError(f"gate_scale must be one of {HEAD_GATE_SCALES}, got {gate_scale!r}")
         if balance_loss not in BALANCE_LOSSES:
@@ -212,3 +223,50 @@ class TwoStageHeadRouter(nn.Module):
         mean_alpha = (alpha_shared if keep is None else alpha_shared * keep).sum() / n
         cast = (lambda g: None if g is None else g.to(x.dtype))
         return HeadRouting(cast(shared), heads, cast(routed), balance, load, mean_alpha, self.active_fraction)
+
+
+class QueryNormHeadRouter(nn.Module):
+    """The parameter-free router of a converted model (MoH paper, Sec. 4: MoH-LLaMA3).
+
+    A routed head's score for token t is the L2 norm of its query, ``s_i = ||q_{t,i}||_2`` (before
+    the 1/sqrt(D) scaling); the top-K routed heads by score are active. Gates are quantised: 1 for
+    every shared head and every selected routed head in the forward pass. Their gradient comes from
+    a straight-through estimator ``g_i = 1 + p_i - detach(p_i)`` with ``p = softmax(s / mean_j s_j)``
+    over the routed heads, so the loss reaches the query projection through the selection too (the
+    released code has no estimator: its mask has no gradient). The estimator acts on the selected
+    heads only, as the heads not selected are not computed.
+
+    The released code divides the scores by their per-token standard deviation before its softmax;
+    with E = 2 that makes p constant (the two normalised scores are always sqrt(2) apart) and the
+    estimator would carry nothing, so p divides by the mean norm: the ranking, hence the forward
+    pass, is the same, and p is again independent of the queries' overall scale. No L_b
+    (``balance_loss`` is 0); the load is still measured.
+    """
+
+    def __init__(self, num_heads: int, shared_heads: int, top_k: int):
+        super().__init__()
+        self.routed_heads = check_head_counts(num_heads, shared_heads, top_k)
+        self.num_heads, self.shared_heads, self.top_k = num_heads, shared_heads, top_k
+
+    @property
+    def active_fraction(self) -> float:
+        return (self.shared_heads + self.top_k) / self.num_heads
+
+    def forward(self, routed_queries: Optional[Tensor], num_tokens: int,
+                padding_mask: Optional[Tensor] = None) -> HeadRouting:
+        """routed_queries: (N, E, D) the routed heads' queries (None when E = 0); padding_mask: (N,)."""
+        dtype = torch.float32 if routed_queries is None else routed_queries.dtype
+        device = None if routed_queries is None else routed_queries.device
+        shared = torch.ones(num_tokens, self.shared_heads, dtype=dtype, device=device) if self.shared_heads else None
+        heads = routed = None
+        load = torch.zeros(self.routed_heads, device=device)
+        if self.top_k:
+            scores = routed_queries.to(router_dtype(routed_queries)).norm(dim=-1)  # (N, E)
+            probs = (scores / scores.mean(dim=-1, keepdim=True).clamp(min=1e-9)).softmax(dim=-1)
+            top_probs, heads = probs.topk(self.top_k, dim=-1)
+            routed = (1.0 + (top_probs - top_probs.detach())).to(dtype)  # exactly 1 forward
+            keep = None if padding_mask is None else (~padding_mask).to(probs.dtype)
+            load = load_balancing_loss(probs, heads, keep)[1]
+        alpha = torch.tensor(1.0 if self.shared_heads else 0.0, device=device)
+        return HeadRouting(shared, heads, routed, torch.zeros((), device=device), load, alpha, self.active_fraction,
+                           learned=False)

@@ -70,7 +70,7 @@ def routing_aux_loss(routings: List, sample_size, cfg, logging_output: dict):
         logging_output["moa_load_cv"] = _load_cv(torch.stack([r.expert_load for r in moa])) * sample_size
     if moh:
         l_b = torch.stack([r.balance_loss for r in moh])
-        terms.append(l_b)
+        terms += [r.balance_loss for r in moh if r.learned]
         weighted.append(cfg.moh_beta * l_b.mean())
         logging_output["moh_lb"] = l_b.detach().mean() * sample_size
         logging_output["moh_active"] = sum(r.active_fraction for r in moh) / len(moh) * sample_size
@@ -78,7 +78,7 @@ def routing_aux_loss(routings: List, sample_size, cfg, logging_output: dict):
         routed = [r.head_load for r in moh if r.head_load.numel() > 1]
         if routed:
             logging_output["moh_load_cv"] = sum(_load_cv(load[None]) for load in routed) / len(routed) * sample_size
-    weighted_terms = (moa and (cfg.moa_alpha or cfg.moa_beta)) or (moh and cfg.moh_beta)
+    weighted_terms = (moa and (cfg.moa_alpha or cfg.moa_beta)) or (any(r.learned for r in moh) and cfg.moh_beta)
     if torch.is_grad_enabled() and weighted_terms and not any(t.requires_grad for t in terms):
         raise RuntimeError(
             "the routers' auxiliary losses carry no gradient: the layers ran without autograd "

@@ -19,7 +19,7 @@ from fairseq.models.transformer import TransformerModel, base_architecture
 from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, parse_attention_types,
                                            routed_layer_config, small_translation_shape)
 from moa.moh_attention import MixtureOfHeadsAttention
-from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES
+from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES, HEAD_ROUTERS
 
 
 def add_moh_args(parser):
@@ -30,6 +30,10 @@ def add_moh_args(parser):
     parser.add_argument("--moh-gate-scale", choices=HEAD_GATE_SCALES,
                         help="softmax: the paper's equations, alpha * softmax (default; it trained better on "
                              "Multi30k); unit: the released code's scaling, 1 for every active head under uniform routers")
+    parser.add_argument("--moh-router", choices=HEAD_ROUTERS,
+                        help="learned: the paper's two-stage router (default); query-norm: no parameters, a routed "
+                             "head's score is the L2 norm of its query and active heads get a gate of 1, with a "
+                             "straight-through gradient (the paper's router for converted models, moa-convert-moh)")
     parser.add_argument("--moh-balance-loss", choices=BALANCE_LOSSES,
                         help="paper: L_b = sum_i P_i f_i (default); experts-scaled: E * sum_i P_i f_i, the released code")
     parser.add_argument("--moh-attention-types", type=str, metavar="LIST",
@@ -63,6 +67,7 @@ def build_moh_attention(cfg, embed_dim, kind, kdim=None):
         encoder_decoder_attention=kind == "decoder-cross",
         gate_scale=cfg.moh_gate_scale,
         balance_loss=cfg.moh_balance_loss,
+        router=cfg.moh_router,
     )
 
 
@@ -97,6 +102,7 @@ def set_moh_defaults(args, shared_heads, top_k):
     args.moh_top_k = getattr(args, "moh_top_k", top_k)
     args.moh_gate_scale = getattr(args, "moh_gate_scale", "softmax")
     args.moh_balance_loss = getattr(args, "moh_balance_loss", "paper")
+    args.moh_router = getattr(args, "moh_router", "learned")
     args.moh_attention_types = getattr(args, "moh_attention_types", ",".join(ATTENTION_TYPES))
 
 
