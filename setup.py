@@ -23,5 +23,6 @@ setup(
         "moa-score=moa_tools.commands.score:main",
         "moa-eval-ppl=moa_tools.commands.eval_ppl:main",
         "moa-average-checkpoints=moa_tools.commands.average_checkpoints:main",
+        "moa-convert-moh=moa_tools.commands.convert_moh:main",
     ]},
 )

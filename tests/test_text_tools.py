@@ -19,7 +19,8 @@ needs_sgm, SGM = needs_shared("newstest2014", "sgm")
 
 def test_the_tools_import_neither_torch_nor_fairseq():
     code = ("import sys, moa_tools.commands.corpus, moa_tools.commands.fetch, moa_tools.commands.score, "
-            "moa_tools.commands.demo, moa_tools.commands.eval_ppl, moa_tools.commands.average_checkpoints; "
+            "moa_tools.commands.demo, moa_tools.commands.eval_ppl, moa_tools.commands.average_checkpoints, "
+            "moa_tools.commands.convert_moh; "
             "print(sorted(m for m in ('torch', 'fairseq', 'moa') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
