@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 import zipfile
@@ -46,6 +47,29 @@ def prepare(work):
     return os.path.join(work, "wt2", "data-bin")
 
 
+def train(data_bin, model_args, save, updates, extra=()):
+    """fairseq-train on the benchmark's batches and schedule (warmup a tenth of ``updates``) into a
+    fresh ``save`` folder (fairseq would resume a checkpoint left there); its log."""
+    shutil.rmtree(save, ignore_errors=True)
+    os.makedirs(save)
+    return run_logged([fairseq_command("fairseq-train"), data_bin, "--user-dir", USER_DIR,
+                       "--task", "masked_lm", *model_args, "--sample-break-mode", "complete",
+                       "--tokens-per-sample", "256", "--batch-size", "16", "--optimizer", "adam",
+                       "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "polynomial_decay",
+                       "--warmup-updates", str(updates // 10), "--total-num-update", str(updates),
+                       "--max-update", str(updates), "--dropout", "0.1", "--attention-dropout", "0.1",
+                       "--save-dir", save, "--no-epoch-checkpoints", "--cpu", "--num-workers", "0", "--seed", "1",
+                       "--log-format", "simple", "--log-interval", "50", "--skip-invalid-size-inputs-valid-test",
+                       *extra], os.path.join(save, "train.log"))
+
+
+def perplexities(checkpoint, data_bin) -> dict:
+    """moa-eval-ppl's masked-token perplexity of ``checkpoint`` on the valid and test lines."""
+    out = run_logged([fairseq_command("moa-eval-ppl"), checkpoint, data_bin, "valid", "test", "--",
+                      "--skip-invalid-size-inputs-valid-test"])
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+): .*exp\(NLL\) = ([\d.]+)", out, re.M)}
+
+
 def _main(argv):
     parser = argparse.ArgumentParser(prog="mlm_wikitext2.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,20 +88,11 @@ def _main(argv):
         model_args = MODELS[name]
         save = os.path.join(args.workdir, re.sub(r"\W+", "-", name))
         started = time.time()
-        log = run_logged([fairseq_command("fairseq-train"), data_bin, "--user-dir", USER_DIR,
-                          "--task", "masked_lm", *model_args, *SHAPE, "--sample-break-mode", "complete",
-                          "--tokens-per-sample", "256", "--batch-size", "16", "--optimizer", "adam",
-                          "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "polynomial_decay",
-                          "--warmup-updates", str(args.updates // 10), "--total-num-update", str(args.updates),
-                          "--max-update", str(args.updates), "--dropout", "0.1", "--attention-dropout", "0.1",
-                          "--save-dir", save, "--no-epoch-checkpoints", "--cpu", "--num-workers", "0", "--seed", "1",
-                          "--log-format", "simple", "--log-interval", "50", "--skip-invalid-size-inputs-valid-test"])
+        log = train(data_bin, [*model_args, *SHAPE], save, args.updates)
         wall = time.time() - started
         train_lines = [line for line in log.splitlines() if "| train |" in line]
         wps = [float(x) for line in train_lines for x in re.findall(r"\| wps ([\d.]+)", line)]
-        ppl_out = run_logged([fairseq_command("moa-eval-ppl"), os.path.join(save, "checkpoint_last.pt"), data_bin,
-                              "valid", "test", "--", "--skip-invalid-size-inputs-valid-test"])
-        ppl = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+): .*exp\(NLL\) = ([\d.]+)", ppl_out, re.M)}
+        ppl = perplexities(os.path.join(save, "checkpoint_last.pt"), data_bin)
         params = re.search(r"num\. shared model params: ([\d,]+)", log)
         row = {"model": name, "date": time.strftime("%Y-%m-%d"), "parameters": int(params.group(1).replace(",", "")) if params else None,
                "updates": args.updates, "train_wall_s": wall,

@@ -118,6 +118,14 @@ def make_mirror(work, smoke):
     return mirror
 
 
+def prepare(pair, workdir, mirror, smoke):
+    """prepare-multi30k.sh for ``pair`` into WORKDIR/multi30k-PAIR (8,000 pieces; --smoke 2,000)."""
+    data_dir = os.path.join(workdir, f"multi30k-{pair}")
+    run_logged(["bash", os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh"), "--pair", pair,
+                "--out", data_dir, "--mirror", mirror, "--vocab-size", "2000" if smoke else "8000", "--workers", "2"])
+    return data_dir
+
+
 def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200):
     """Forward MACs per target token over the first ``pairs`` validation pairs, teacher-forced."""
     from fairseq import checkpoint_utils
@@ -158,24 +166,29 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
     valid = [float(x) for line in log.splitlines() if "| valid |" in line for x in re.findall(r"\| loss ([\d.]+)", line)]
     params = int(re.search(r"num\. shared model params: ([\d,]+)", log).group(1).replace(",", ""))
 
-    started = time.time()
     checkpoint = os.path.join(save, "checkpoint_best.pt")
-    generate_log = os.path.join(save, "generate.log")
+    scores = translate_and_score(checkpoint, data_dir, tgt, os.path.join(save, "generate.log"))
+    return {"pair": pair, "model": name, "seed": seed, "date": time.strftime("%Y-%m-%d"), "parameters": params,
+            "macs_per_target_token": macs_per_target_token(checkpoint, data_dir, src, tgt),
+            "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
+            "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
+            "best_valid_loss": min(valid) if valid else float("nan"), **scores}
+
+
+def translate_and_score(checkpoint, data_dir, tgt, generate_log):
+    """Translate every test sentence (beam 4, length penalty 0.6, batches of 128) and score them:
+    sacreBLEU, its signature, tokenised BLEU, wall time and fairseq's own decoding time."""
+    started = time.time()
     gen = run_logged([fairseq_command("fairseq-generate"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
                       "--cpu", "--gen-subset", "test", "--path", checkpoint, "--beam", "4", "--lenpen", "0.6",
                       "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "sentencepiece",
                       "--num-workers", "0"], generate_log)
     generate_wall = time.time() - started
     refs = list(read_lines(os.path.join(data_dir, "raw", f"test_2016_flickr.{tgt}")))
-    hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
-    report = bleu_report(hyps, refs, tgt)
-    translated = int(re.search(r"Translated ([\d,]+) sentences", gen).group(1).replace(",", ""))
-    return {"pair": pair, "model": name, "seed": seed, "date": time.strftime("%Y-%m-%d"), "parameters": params,
-            "macs_per_target_token": macs_per_target_token(checkpoint, data_dir, src, tgt),
-            "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
-            "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
-            "best_valid_loss": min(valid) if valid else float("nan"),
-            "test_sentences": len(refs), "translated": translated, "generate_wall_s": generate_wall,
+    report = bleu_report(ordered_hypotheses(read_hypotheses(generate_log), len(refs)), refs, tgt)
+    translated = re.search(r"Translated ([\d,]+) sentences \([\d,]+ tokens\) in ([\d.]+)s", gen)
+    return {"test_sentences": len(refs), "translated": int(translated.group(1).replace(",", "")),
+            "generate_wall_s": generate_wall, "decode_s": float(translated.group(2)),
             "sacrebleu": report.sacrebleu, "signature": report.signature, "tokenized_bleu": report.tokenized_bleu}
 
 
@@ -284,10 +297,7 @@ def _main(argv):
     mirror = make_mirror(args.workdir, args.smoke)
     rows = []
     for pair in args.pairs:
-        data_dir = os.path.join(args.workdir, f"multi30k-{pair}")
-        run_logged(["bash", os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh"), "--pair", pair,
-                    "--out", data_dir, "--mirror", mirror, "--vocab-size", "2000" if args.smoke else "8000",
-                    "--workers", "2"])
+        data_dir = prepare(pair, args.workdir, mirror, args.smoke)
         for seed in args.seeds:
             for name, model_args in (chosen[key] for key in args.models):
                 row = train_and_score(name, model_args, pair, seed, data_dir, args.workdir, budget)

@@ -1,0 +1,218 @@
+"""Converting trained Transformers to MoH, CPU: moa-convert-moh and continued training, measured.
+
+    .venv/bin/python benchmarks/convert_moh.py [--original CKPT] [--updates 300] [--mlm-updates 200]
+    .venv/bin/python benchmarks/convert_moh.py --smoke          # minutes; the slow tests run it
+
+Translation, Multi30k En-De: the Multi30k benchmark's Transformer (4 heads of 64; trained here for
+--minutes with that benchmark's settings unless --original names one) is converted to MoH at 75%
+of its heads (2 shared + top-1 of 2) and at 50% (1 shared + top-1 of 3), with each router
+(query-norm and learned). Each converted model, and the original itself (the fair baseline),
+then continues for the same --updates from the same weights with a fresh optimiser (fairseq's
+--finetune-from-model; lr 5e-4 after 50 warmup updates, inverse square root, otherwise the
+benchmark's settings). The converted models train with the flags moa-convert-moh printed.
+Reported: sacreBLEU of the converted model before any update, after --updates, and of the original
+continued as long; fairseq's beam-4 decoding time of the test set, the median of --speed-repeats
+runs taken in turn over the tuned models, as a speed ratio to the continued original.
+
+Masked LM, WikiText-2 text: the MLM benchmark's Transformer RoBERTa (its settings, --mlm-original-updates)
+is converted at 75% with each router and continued --mlm-updates; perplexity in the same columns.
+
+Writes benchmarks/results/convert-moh.{json,md}. Keep the machine otherwise idle.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+import mlm_wikitext2
+import translation_multi30k as mt
+from common import RESULTS, ROOT
+from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
+from moa_tools.checkpoints import load_checkpoint, save_atomically
+from moa_tools.moh_conversion import continue_flags, convert
+
+CONVERSIONS = [("75%", 2, 1), ("50%", 1, 1)]  # (label, shared heads, top-k) of 4 heads
+ROUTERS = ["query-norm", "learned"]
+TRANSFORMER = ["--arch", "transformer", *mt.SHAPE, "--criterion", "label_smoothed_cross_entropy"]
+MOH_CRITERION = ["--criterion", "moa_label_smoothed_cross_entropy", "--moh-beta", "0.01"]
+CONTINUE = ["--lr", "5e-4", "--warmup-updates", "50", "--max-tokens", "2048", "--seed", "1"]
+
+
+def finetune(data_dir, model_flags, start, save, updates):
+    """``updates`` more updates of ``start`` (fresh optimiser) into a fresh ``save``; its log."""
+    shutil.rmtree(save, ignore_errors=True)
+    os.makedirs(save)
+    return run_logged([fairseq_command("fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
+                       *model_flags, *mt.TRAINING, *CONTINUE, "--max-update", str(updates),
+                       "--finetune-from-model", start, "--save-dir", save], os.path.join(save, "train.log"))
+
+
+def last_valid_nll(log):
+    """The last validation NLL (base 2, without label smoothing or auxiliary terms) in a training log."""
+    losses = [float(x) for line in log.splitlines() if "| valid |" in line
+              for x in re.findall(r"\| nll_loss ([\d.]+)", line)]
+    return losses[-1] if losses else float("nan")
+
+
+def convert_to(original, shared, top_k, router, out):
+    state, summary = convert(load_checkpoint(original), shared, top_k, router, original)
+    save_atomically(state, out)
+    return state, summary
+
+
+def translation(args, work):
+    pair, tgt = "en-de", "de"
+    original = args.original
+    if original:  # its own prepared data: the dictionary must be the one it was trained on
+        data_dir = os.path.dirname(load_checkpoint(original)["cfg"]["task"]["data"].rstrip("/"))
+        if not os.path.isfile(os.path.join(data_dir, "raw", f"test_2016_flickr.{tgt}")):
+            raise ToolError(f"--original {original} was trained on {data_dir}, which holds no prepared Multi30k")
+    else:
+        data_dir = mt.prepare(pair, work, mt.make_mirror(work, args.smoke), args.smoke)
+        budget = ["--stop-time-hours", str(args.minutes / 60), "--max-epoch", "1000"] if not args.smoke else \
+            ["--max-update", "20"]
+        row = mt.train_and_score("original", TRANSFORMER[:2] + TRANSFORMER[-2:], pair, 1, data_dir, work,
+                                 budget + ["--max-tokens", "2048", "--warmup-updates", "200"])
+        original = os.path.join(work, pair, "seed1", "original", "checkpoint_best.pt")
+        print(json.dumps(row), flush=True)
+    runs = []  # (label, shared, top_k, router, converted checkpoint or None, model flags)
+    runs.append(("Transformer 4x64 (the original)", 4, 0, "-", original, TRANSFORMER))
+    for label, shared, top_k in CONVERSIONS:
+        for router in ROUTERS:
+            name = f"MoH {label} ({shared} shared + top-{top_k} of {4 - shared}), {router}"
+            out = os.path.join(work, "converted", re.sub(r"\W+", "-", name).strip("-") + ".pt")
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            state, summary = convert_to(original, shared, top_k, router, out)
+            print(summary, flush=True)
+            runs.append((name, shared, top_k, router, out, continue_flags(state) + MOH_CRITERION))
+    rows, tuned = [], {}
+    for name, shared, top_k, router, start, flags in runs:
+        save = os.path.join(work, "continued", re.sub(r"\W+", "-", name).strip("-"))
+        before = mt.translate_and_score(start, data_dir, tgt, os.path.join(os.path.dirname(start), "generate-"
+                                        + os.path.basename(start) + ".log"))
+        started = time.time()
+        log = finetune(data_dir, flags, start, save, args.updates)
+        wall = time.time() - started
+        tuned[name] = os.path.join(save, "checkpoint_last.pt")
+        after = mt.translate_and_score(tuned[name], data_dir, tgt, os.path.join(save, "generate.log"))
+        rows.append({"task": "translation", "model": name, "active_heads": (shared + top_k) / 4 if top_k else 1.0,
+                     "router": router, "date": time.strftime("%Y-%m-%d"), "updates": args.updates,
+                     "continue_wall_s": wall, "valid_nll_after": last_valid_nll(log),
+                     "sacrebleu_before": before["sacrebleu"], "sacrebleu_after": after["sacrebleu"],
+                     "decode_s": [after["decode_s"]], "signature": after["signature"]})
+        print(json.dumps(rows[-1]), flush=True)
+    for _ in range(args.speed_repeats - 1):  # more decoding times, taken in turn
+        for row in rows:
+            row["decode_s"].append(mt.translate_and_score(tuned[row["model"]], data_dir, tgt,
+                                                          tuned[row["model"]] + ".speed.log")["decode_s"])
+    base = rows[0]
+    for row in rows:
+        row["decode_s_median"] = statistics.median(row["decode_s"])
+        row["decode_speed_vs_original"] = statistics.median(base["decode_s"]) / row["decode_s_median"]
+        row["sacrebleu_vs_original_continued"] = row["sacrebleu_after"] - base["sacrebleu_after"]
+    return rows, original
+
+
+def masked_lm(args, work):
+    data_bin = mlm_wikitext2.prepare(os.path.join(work, "mlm"))
+    updates = 20 if args.smoke else args.mlm_original_updates
+    original_dir = os.path.join(work, "mlm", "original")
+    mlm_wikitext2.train(data_bin, ["--arch", "roberta", "--criterion", "masked_lm", *mlm_wikitext2.SHAPE],
+                        original_dir, updates)
+    original = os.path.join(original_dir, "checkpoint_last.pt")
+    runs = [("RoBERTa 4x64 (the original)", 4, 0, "-", original,
+             ["--arch", "roberta", "--criterion", "masked_lm", *mlm_wikitext2.SHAPE])]
+    label, shared, top_k = CONVERSIONS[0]
+    for router in ROUTERS:
+        name = f"MoH {label} ({shared} shared + top-{top_k} of {4 - shared}), {router}"
+        out = os.path.join(work, "mlm", "converted-" + router + ".pt")
+        state, summary = convert_to(original, shared, top_k, router, out)
+        print(summary, flush=True)
+        runs.append((name, shared, top_k, router, out, continue_flags(state) + ["--criterion", "moa_masked_lm"]))
+    rows = []
+    for name, shared, top_k, router, start, flags in runs:
+        save = os.path.join(work, "mlm", "continued-" + re.sub(r"\W+", "-", name).strip("-"))
+        before = mlm_wikitext2.perplexities(start, data_bin)
+        mlm_wikitext2.train(data_bin, flags, save, args.mlm_updates, ["--finetune-from-model", start])
+        after = mlm_wikitext2.perplexities(os.path.join(save, "checkpoint_last.pt"), data_bin)
+        rows.append({"task": "masked LM", "model": name, "active_heads": (shared + top_k) / 4 if top_k else 1.0,
+                     "router": router, "date": time.strftime("%Y-%m-%d"), "updates": args.mlm_updates,
+                     "original_updates": updates, "test_ppl_before": before.get("test"),
+                     "test_ppl_after": after.get("test"), "valid_ppl_after": after.get("valid")})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def markdown(translation_rows, mlm_rows, original):
+    lines = [f"Conversion to MoH, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, torch {torch.__version__}.", ""]
+    if translation_rows:
+        t = translation_rows[0]
+        lines += [f"Multi30k En-De, test_2016_flickr, beam 4, length penalty 0.6. The original: {original}. "
+                  f"Every row continues {t['updates']} updates from its start, fresh optimiser, lr 5e-4 after 50 "
+                  f"warmup updates, batches of 2,048 tokens; checkpoint_last. Decoding: fairseq's time for the "
+                  f"test set, median of {len(t['decode_s'])}.", "",
+                  "| model | heads active | sacreBLEU as converted | after the updates | vs the original continued | "
+                  "valid NLL after | decode s | decoding speed vs the original |", "|---|---|---|---|---|---|---|---|"]
+        for r in translation_rows:
+            lines.append(f"| {r['model']} | {r['active_heads']:.0%} | {r['sacrebleu_before']:.2f} | "
+                         f"{r['sacrebleu_after']:.2f} | {r['sacrebleu_vs_original_continued']:+.2f} | "
+                         f"{r['valid_nll_after']:.3f} | {r['decode_s_median']:.1f} | "
+                         f"{r['decode_speed_vs_original']:.2f}x |")
+        lines += ["", f"sacreBLEU signature: {t['signature']}"]
+    if mlm_rows:
+        m = mlm_rows[0]
+        lines += ["", f"Masked LM, WikiText-2 text (the MLM benchmark's data and settings): the original RoBERTa "
+                  f"trained {m['original_updates']} updates; every row continues {m['updates']} updates "
+                  "(fresh optimiser, the benchmark's schedule over those updates); masked-token test perplexity.", "",
+                  "| model | heads active | test ppl as converted | after the updates | vs the original continued |",
+                  "|---|---|---|---|---|"]
+        for r in mlm_rows:
+            lines.append(f"| {r['model']} | {r['active_heads']:.0%} | {r['test_ppl_before']:.2f} | "
+                         f"{r['test_ppl_after']:.2f} | {r['test_ppl_after'] - m['test_ppl_after']:+.2f} |")
+    return "\n".join(lines)
+
+
+def _main(argv):
+    parser = argparse.ArgumentParser(prog="convert_moh.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--original", help="a trained Multi30k En-De transformer checkpoint, read with the data it "
+                                           "was trained on (default: train one)")
+    parser.add_argument("--minutes", type=float, default=11.0, help="training time of the original (default 11)")
+    parser.add_argument("--updates", type=int, default=300, help="continued updates, translation (default 300)")
+    parser.add_argument("--speed-repeats", type=int, default=3, help="decoding-time runs per model (default 3)")
+    parser.add_argument("--mlm-original-updates", type=int, default=600, help="updates of the original RoBERTa")
+    parser.add_argument("--mlm-updates", type=int, default=200, help="continued updates, masked LM (default 200)")
+    parser.add_argument("--tasks", nargs="+", choices=["translation", "mlm"], default=["translation", "mlm"])
+    parser.add_argument("--smoke", action="store_true", help="small data, 20-update original, few updates")
+    parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-convert-moh"))
+    parser.add_argument("--out", default=os.path.join(RESULTS, "convert-moh"), help="output prefix for .json and .md")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.updates, args.mlm_updates, args.speed_repeats = 4, 4, 1
+    if args.original and not os.path.isfile(args.original):
+        raise ToolError(f"--original {args.original} does not exist")
+    os.makedirs(args.workdir, exist_ok=True)
+    translation_rows, original = translation(args, args.workdir) if "translation" in args.tasks else ([], None)
+    mlm_rows = masked_lm(args, args.workdir) if "mlm" in args.tasks else []
+    text = markdown(translation_rows, mlm_rows, original)
+    print("\n" + text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w", encoding="utf-8") as f:
+        json.dump({"original": original, "translation": translation_rows, "mlm": mlm_rows}, f, indent=1)
+    with open(args.out + ".md", "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+
+
+def main(argv=None) -> int:
+    return run_tool("convert_moh.py", _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
