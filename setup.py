@@ -14,6 +14,8 @@ setup(
         "sentencepiece",
         "sacremoses",
         "numpy",
+        "matplotlib",  # moa-analyze's figures
+        "tensorboardX",  # fairseq's --tensorboard-logdir
     ],
     extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": [
@@ -24,5 +26,6 @@ setup(
         "moa-eval-ppl=moa_tools.commands.eval_ppl:main",
         "moa-average-checkpoints=moa_tools.commands.average_checkpoints:main",
         "moa-convert-moh=moa_tools.commands.convert_moh:main",
+        "moa-analyze=moa_tools.commands.analyze:main",
     ]},
 )

@@ -43,6 +43,7 @@ class Routing:
     weights: (N, k) gate weights in the input's dtype.
     load_balancing_loss: scalar L_a; router_z_loss: scalar L_z (float32).
     expert_load: (E,) float32, (token, slot) assignments per expert, padding excluded.
+    probs: (N, E) float32 router probabilities (for analysis; part of the graph anyway).
     """
 
     experts: Tensor
@@ -50,6 +51,7 @@ class Routing:
     load_balancing_loss: Tensor
     router_z_loss: Tensor
     expert_load: Tensor
+    probs: Optional[Tensor] = None
 
 
 class TopKRouter(nn.Module):
@@ -80,7 +82,7 @@ class TopKRouter(nn.Module):
         keep = None if padding_mask is None else (~padding_mask).to(probs.dtype)
         l_a, load = load_balancing_loss(probs, experts, keep)
         l_z = router_z_loss(logits, keep)
-        return Routing(experts, weights.to(x.dtype), l_a, l_z, load)
+        return Routing(experts, weights.to(x.dtype), l_a, l_z, load, probs)
 
 
 def router_dtype(x: Tensor) -> torch.dtype:
@@ -129,7 +131,8 @@ class HeadRouting:
     routed_gates: (N, K) their gates, or None. Gates are in the input's dtype.
     balance_loss: scalar L_b (float32); head_load: (E,) float32 (token, slot) assignments per
     routed head, padding excluded; mean_alpha_shared: scalar mean alpha1 over real tokens;
-    learned: False for :class:`QueryNormHeadRouter`, whose L_b is a constant 0.
+    learned: False for :class:`QueryNormHeadRouter`, whose L_b is a constant 0; probs: (N, E)
+    float32 probabilities over the routed heads, or None when K = 0.
     """
 
     shared_gates: Optional[Tensor]
@@ -140,6 +143,7 @@ class HeadRouting:
     mean_alpha_shared: Tensor
     active_fraction: float
     learned: bool = True  # False for the parameter-free router: no L_b to train
+    probs: Optional[Tensor] = None
 
 
 def check_head_counts(num_heads: int, shared_heads: int, top_k: int) -> int:
@@ -198,7 +202,7 @@ class TwoStageHeadRouter(nn.Module):
         x32 = x.to(router_dtype(x))
         unit = self.gate_scale == "unit"
         keep = None if padding_mask is None else (~padding_mask).to(x32.dtype)
-        shared = routed = heads = None
+        shared = routed = heads = probs = None
         balance, load = x32.new_zeros(()), x32.new_zeros(self.routed_heads)
         if self.shared is not None:
             shared = F.linear(x32, self.shared.weight.to(x32.dtype)).softmax(dim=-1)
@@ -222,7 +226,8 @@ class TwoStageHeadRouter(nn.Module):
         n = _token_count(x32, keep)
         mean_alpha = (alpha_shared if keep is None else alpha_shared * keep).sum() / n
         cast = (lambda g: None if g is None else g.to(x.dtype))
-        return HeadRouting(cast(shared), heads, cast(routed), balance, load, mean_alpha, self.active_fraction)
+        return HeadRouting(cast(shared), heads, cast(routed), balance, load, mean_alpha, self.active_fraction,
+                           probs=probs)
 
 
 class QueryNormHeadRouter(nn.Module):
@@ -258,7 +263,7 @@ class QueryNormHeadRouter(nn.Module):
         dtype = torch.float32 if routed_queries is None else routed_queries.dtype
         device = None if routed_queries is None else routed_queries.device
         shared = torch.ones(num_tokens, self.shared_heads, dtype=dtype, device=device) if self.shared_heads else None
-        heads = routed = None
+        heads = routed = probs = None
         load = torch.zeros(self.routed_heads, device=device)
         if self.top_k:
             scores = routed_queries.to(router_dtype(routed_queries)).norm(dim=-1)  # (N, E)
@@ -269,4 +274,4 @@ class QueryNormHeadRouter(nn.Module):
             load = load_balancing_loss(probs, heads, keep)[1]
         alpha = torch.tensor(1.0 if self.shared_heads else 0.0, device=device)
         return HeadRouting(shared, heads, routed, torch.zeros((), device=device), load, alpha, self.active_fraction,
-                           learned=False)
+                           learned=False, probs=probs)

@@ -39,18 +39,27 @@ def fairseq_command(name: str) -> str:
     return path if os.path.exists(path) else name
 
 
-def run_logged(cmd: Sequence[str], log_path: Optional[str] = None) -> str:
+def run_logged(cmd: Sequence[str], log_path: Optional[str] = None,
+               on_line: Optional[Callable[[str], None]] = None) -> str:
     """Run ``cmd`` with this Python's scripts first on PATH and return its output (stdout and stderr).
 
-    With ``log_path`` the output goes to that file as it is written (``tail -f`` shows progress).
-    A non-zero exit is a :class:`ToolError` carrying the output's tail."""
+    With ``log_path`` the output goes to that file as it is written (``tail -f`` shows progress),
+    and ``on_line`` is called with each line as it arrives. A non-zero exit is a
+    :class:`ToolError` carrying the output's tail."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     if log_path is None:
         proc = subprocess.run(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         code, output = proc.returncode, proc.stdout
     else:
         with open(log_path, "w", encoding="utf-8") as log:
-            code = subprocess.call(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
+            with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                  errors="replace") as proc:
+                for line in proc.stdout:
+                    log.write(line)
+                    log.flush()
+                    if on_line is not None:
+                        on_line(line)
+            code = proc.returncode
         with open(log_path, encoding="utf-8", errors="replace") as log:
             output = log.read()
     if code != 0:

@@ -110,3 +110,17 @@ def test_a_failure_midway_through_the_lines_keeps_the_old_file(tmp_path):
     assert path.read_text(encoding="utf-8") == "old\n" and not list(tmp_path.glob("*.tmp"))
     assert write_lines_atomically(str(path), ["new", "lines"]) == 2
     assert path.read_text(encoding="utf-8") == "new\nlines\n"
+
+
+def test_the_demo_shows_training_progress_from_fairseqs_log_lines(capsys):
+    from moa_tools.commands.demo import training_progress
+
+    show = training_progress(400, started=0.0)
+    show("2026-12-01 10:40:00 | INFO | train_inner | epoch 001:    100 / 255 loss=5.694, nll_loss=4.536, "
+         "ppl=23.19, wps=2569.8, ups=1.39, num_updates=100, lr=0.000353553\n")
+    show("2026-12-01 10:40:01 | INFO | fairseq.trainer | begin training epoch 2\n")
+    show("2026-12-01 10:42:30 | INFO | valid | epoch 002 | valid on 'valid' subset | loss 5.364 | nll_loss 4.03\n")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("  update   100/400: loss 5.694 bits, 2,570 target words/s, ")
+    assert lines[1] == "  validation after epoch 002: loss 5.364 bits"

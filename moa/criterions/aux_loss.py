@@ -7,8 +7,11 @@ the authors' code does). fairseq sums the task loss over the batch and divides t
 weights on the per-token loss are exactly alpha, beta and moh_beta (the authors' MoA code adds it
 unscaled, weakening it by the batch's token count).
 
-The model hands its routing decisions over explicitly: ``model.pop_routings()``
-(:class:`~moa.models.routed_transformer.RoutedModel`).
+The model hands its routing decisions over explicitly: ``model.pop_named_routings()``
+(:class:`~moa.models.routed_transformer.RoutedModel`). With ``--log-routing-by-module`` the
+criterion also logs each module's figures as ``routing/TYPE.LAYER/FIGURE`` (``load_cv``, ``la``,
+``lz`` for MoA; ``load_cv``, ``lb``, ``active`` for MoH), which fairseq's ``--tensorboard-logdir``
+writes as TensorBoard scalars, grouped under ``routing/``.
 """
 
 import math
@@ -41,11 +44,41 @@ class RoutingLossConfig(FairseqDataclass):
     moa_beta: float = field(default=0.001, metadata={"help": "weight beta of the router z-loss L_z per MoA module"})
     moh_beta: float = field(default=0.01, metadata={"help": "weight of the MoH load-balance loss L_b, averaged over "
                                                             "MoH modules"})
+    log_routing_by_module: bool = field(default=False, metadata={
+        "help": "also log every routed module's load CV and auxiliary losses (routing/TYPE.LAYER/...), "
+                "e.g. for --tensorboard-logdir"})
 
 
 def model_routings(model) -> List:
-    """The routing decisions ``model`` hands over (none for a model without routed attention)."""
-    return model.pop_routings() if hasattr(model, "pop_routings") else []
+    """The (module name, routing) decisions ``model`` hands over (none without routed attention)."""
+    return model.pop_named_routings() if hasattr(model, "pop_named_routings") else []
+
+
+def routing_terms(model, sample_size, cfg, logging_output: dict):
+    """What a criterion adds after its task loss: :func:`routing_aux_loss` of the model's routings,
+    logging their figures, and per module with ``cfg.log_routing_by_module``."""
+    named = model_routings(model)
+    if getattr(cfg, "log_routing_by_module", False):
+        log_module_figures(named, sample_size, logging_output)
+    return routing_aux_loss([routing for _, routing in named], sample_size, cfg, logging_output)
+
+
+def log_module_figures(named, sample_size, logging_output: dict) -> None:
+    """``routing/TYPE.LAYER/FIGURE`` for each (module name, routing), times ``sample_size``."""
+    from moa.models.routed_transformer import attention_site
+
+    for name, routing in named:
+        kind, layer = attention_site(name)
+        prefix = f"routing/{kind}.{layer}/"
+        if isinstance(routing, Routing):
+            figures = {"load_cv": _load_cv(routing.expert_load[None]), "la": routing.load_balancing_loss,
+                       "lz": routing.router_z_loss}
+        else:
+            figures = {"lb": routing.balance_loss, "active": torch.tensor(routing.active_fraction)}
+            if routing.head_load.numel() > 1:
+                figures["load_cv"] = _load_cv(routing.head_load[None])
+        for figure, value in figures.items():
+            logging_output[prefix + figure] = value.detach().float() * sample_size
 
 
 def _load_cv(loads: torch.Tensor) -> torch.Tensor:
@@ -95,7 +128,8 @@ def reduce_routing_metrics(logging_outputs) -> None:
     sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
     if not sample_size:
         return
-    for key in LOGGED:
+    per_module = sorted({key for log in logging_outputs for key in log if key.startswith("routing/")})
+    for key in [*LOGGED, *per_module]:
         if not any(key in log for log in logging_outputs):
             continue
         total = float(sum(log.get(key, 0) for log in logging_outputs)) / sample_size

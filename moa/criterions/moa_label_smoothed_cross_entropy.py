@@ -8,7 +8,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from moa.criterions.aux_loss import RoutingLossConfig, model_routings, reduce_routing_metrics, routing_aux_loss
+from moa.criterions.aux_loss import RoutingLossConfig, model_routings, reduce_routing_metrics, routing_terms
 
 
 @dataclass
@@ -27,14 +27,15 @@ class MoALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     """
 
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 moa_alpha=0.01, moa_beta=0.001, moh_beta=0.01):
+                 moa_alpha=0.01, moa_beta=0.001, moh_beta=0.01, log_routing_by_module=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.routing_cfg = RoutingLossConfig(moa_alpha=moa_alpha, moa_beta=moa_beta, moh_beta=moh_beta)
+        self.routing_cfg = RoutingLossConfig(moa_alpha=moa_alpha, moa_beta=moa_beta, moh_beta=moh_beta,
+                                             log_routing_by_module=log_routing_by_module)
 
     def forward(self, model, sample, reduce=True):
         model_routings(model)  # drop anything recorded outside this criterion
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
-        aux = routing_aux_loss(model_routings(model), sample_size, self.routing_cfg, logging_output)
+        aux = routing_terms(model, sample_size, self.routing_cfg, logging_output)
         return (loss + aux if reduce else loss), sample_size, logging_output
 
     @classmethod

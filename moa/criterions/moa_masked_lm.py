@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from fairseq.criterions import register_criterion
 from fairseq.criterions.masked_lm import MaskedLmConfig, MaskedLmLoss
 
-from moa.criterions.aux_loss import RoutingLossConfig, model_routings, reduce_routing_metrics, routing_aux_loss
+from moa.criterions.aux_loss import RoutingLossConfig, model_routings, reduce_routing_metrics, routing_terms
 
 
 @dataclass
@@ -29,7 +29,7 @@ class MoAMaskedLmLoss(MaskedLmLoss):
     def forward(self, model, sample, reduce=True):
         model_routings(model)  # drop anything recorded outside this criterion
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
-        aux = routing_aux_loss(model_routings(model), sample_size, self.routing_cfg, logging_output)
+        aux = routing_terms(model, sample_size, self.routing_cfg, logging_output)
         return loss + aux, sample_size, logging_output
 
     @classmethod

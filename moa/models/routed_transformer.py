@@ -9,7 +9,8 @@ FSDP wrapping) is fairseq's own. Which module a routed attention type gets is th
 criterion: ``model.pop_routings()``.
 """
 
-from typing import Callable, List
+import re
+from typing import Callable, List, Tuple
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerEncoderBase, TransformerModel
@@ -28,6 +29,18 @@ def parse_attention_types(value: str, flag: str) -> frozenset:
     if unknown:
         raise ValueError(f"{flag}: unknown {sorted(unknown)}; choose from {','.join(ATTENTION_TYPES)}")
     return names
+
+
+def attention_site(module_name: str) -> Tuple[str, int]:
+    """(attention type, layer index) of an attention module by its name in a fairseq model:
+    ``encoder.layers.2.self_attn`` -> ("encoder-self", 2), ``decoder.layers.0.encoder_attn`` ->
+    ("decoder-cross", 0); RoBERTa's ``encoder.sentence_encoder.layers.N.self_attn`` is encoder-self."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.(self_attn|encoder_attn)$", module_name)
+    if not match:
+        raise ValueError(f"{module_name!r} is not the attention module of a fairseq Transformer layer")
+    side = "decoder" if module_name.startswith("decoder.") else "encoder"
+    kind = "cross" if match.group(2) == "encoder_attn" else "self"
+    return f"{side}-{kind}", int(match.group(1))
 
 
 def routed_layer_config(args, types: frozenset, build_attention: Callable) -> TransformerConfig:
@@ -114,10 +127,14 @@ class RoutedModel:
     def pop_routings(self) -> List:
         """The :class:`~moa.routing.Routing` / :class:`~moa.routing.HeadRouting` of every routed
         module since the last call, clearing them."""
+        return [routing for _, routing in self.pop_named_routings()]
+
+    def pop_named_routings(self) -> List[Tuple[str, object]]:
+        """(module name, routing) of every routed module since the last call, clearing them."""
         routings = []
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, RoutedAttention) and module.routing is not None:
-                routings.append(module.routing)
+                routings.append((name, module.routing))
                 module.routing = None
         return routings
 

@@ -2,12 +2,14 @@
 
 Runs the stock fairseq CLIs (``fairseq-preprocess``, ``fairseq-train``,
 ``fairseq-generate``) in subprocesses on the generated English->German corpus of
-:mod:`moa_tools.number_phrases`, then scores the detokenised output against the
-plain-text references with sacreBLEU. Every step writes into ``--workdir``.
+:mod:`moa_tools.number_phrases`, showing training progress as it goes, scores the
+detokenised output against the plain-text references with sacreBLEU, and ends with
+``moa-analyze`` on the trained model. Every step writes into ``--workdir``.
 """
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import time
@@ -27,9 +29,21 @@ def write_corpus(folder: str, sizes: dict, seed: int) -> None:
                 f.writelines(pair[column] + "\n" for pair in pairs)
 
 
-def _step(cmd, log_path: str) -> None:
+def _step(cmd, log_path: str, on_line=None) -> None:
     print("+ " + " ".join(cmd), flush=True)
-    run_logged(cmd, log_path)
+    run_logged(cmd, log_path, on_line)
+
+
+def training_progress(max_update: int, started: float):
+    """An ``on_line`` for fairseq-train's simple log: one line per logged interval and validation."""
+    def show(line: str) -> None:
+        figures = dict(re.findall(r"(\w+)[= ]([-\d.]+)", line.split(" | ", 3)[-1]))
+        if "| train_inner |" in line and "num_updates" in figures:
+            print(f"  update {int(figures['num_updates']):>5}/{max_update}: loss {figures['loss']} bits, "
+                  f"{float(figures['wps']):,.0f} target words/s, {time.time() - started:.0f} s", flush=True)
+        elif "| valid |" in line and "loss" in figures:
+            print(f"  validation after epoch {figures.get('epoch', '?')}: loss {figures['loss']} bits", flush=True)
+    return show
 
 
 def _cuda_available() -> bool:
@@ -59,7 +73,7 @@ def _main(argv):
     device = [] if _cuda_available() else ["--cpu"]
     started = time.time()
 
-    print(f"[1/4] corpus: {args.train_size} generated en-de training pairs -> {raw}", flush=True)
+    print(f"[1/5] corpus: {args.train_size} generated en-de training pairs -> {raw}", flush=True)
     write_corpus(raw, {"train": args.train_size, "valid": 300, "test": args.test_size}, args.seed)
     if os.path.isdir(data_bin):
         shutil.rmtree(data_bin)
@@ -68,7 +82,7 @@ def _main(argv):
            "--destdir", data_bin, "--joined-dictionary", "--workers", "2"],
           os.path.join(args.workdir, "preprocess.log"))
 
-    print(f"[2/4] train {args.arch} for {args.max_update} updates (log: {args.workdir}/train.log)", flush=True)
+    print(f"[2/5] train {args.arch} for {args.max_update} updates (log: {args.workdir}/train.log)", flush=True)
     if os.path.isdir(ckpt):
         shutil.rmtree(ckpt)
     _step([fairseq_command("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", args.arch, *device,
@@ -78,10 +92,10 @@ def _main(argv):
            "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "300",
            "--dropout", "0.1", "--max-tokens", str(args.max_tokens), "--max-update", str(args.max_update),
            "--seed", str(args.seed), "--save-dir", ckpt, "--no-epoch-checkpoints", "--log-format", "simple",
-           "--log-interval", "100", "--num-workers", "0", *args.train_args.split()],
-          os.path.join(args.workdir, "train.log"))
+           "--log-interval", "50", "--num-workers", "0", *args.train_args.split()],
+          os.path.join(args.workdir, "train.log"), training_progress(args.max_update, time.time()))
 
-    print("[3/4] translate the test set with beam 4", flush=True)
+    print("[3/5] translate the test set with beam 4", flush=True)
     generate_log = os.path.join(args.workdir, "generate.log")
     _step([fairseq_command("fairseq-generate"), data_bin, "--user-dir", USER_DIR, *device, "--gen-subset", "test",
            "--path", os.path.join(ckpt, "checkpoint_last.pt"), "--beam", "4", "--lenpen", "0.6",
@@ -91,10 +105,19 @@ def _main(argv):
     refs = list(read_lines(os.path.join(raw, "test.ref.de")))
     hyps = ordered_hypotheses(read_hypotheses(generate_log), len(refs))
     report = bleu_report(hyps, refs, "de")
-    print(f"[4/4] sacreBLEU on {len(hyps)} test sentences ({time.time() - started:.0f} s in all)")
+    print(f"[4/5] sacreBLEU on {len(hyps)} test sentences ({time.time() - started:.0f} s so far)")
     for hyp, ref in list(zip(hyps, refs))[:3]:
         print(f"  REF {ref}\n  HYP {hyp}")
-    print(f"BLEU = {report.sacrebleu:.2f}  ({report.signature})")
+    print(f"BLEU = {report.sacrebleu:.2f}  ({report.signature})", flush=True)
+
+    print("[5/5] what the routers learned: moa-analyze on the test set", flush=True)
+    from moa_tools.commands import analyze
+
+    analysis = os.path.join(args.workdir, "analysis")
+    if analyze.main([os.path.join(ckpt, "checkpoint_last.pt"), data_bin, "--subset", "test", "--out", analysis,
+                     "--labels", args.arch, "--no-progress"]):
+        return 1
+    print(f"done in {time.time() - started:.0f} s; BLEU = {report.sacrebleu:.2f}")
     return 0
 
 
