@@ -20,7 +20,11 @@ the queries' positions (causal and padding masks stay exact). The query and outp
 the routed heads go through :func:`~moa.experts.expert_linear`, so an unselected head's W_Q^i and
 W_O^i are never applied to that token. ``compute_all_heads = True`` computes every head and
 multiplies by the gates, zero for unselected heads, as the released code does; it is kept as the
-test reference, and used when every routed head is active anyway (K = E).
+test reference, and used when every routed head is active anyway (K = E) and, by default
+(``decode_all_heads``), for incremental decoding: with one query per sentence every (sentence,
+head) group of the packed layout holds at most one query, so packing skips no attention work, only
+the unselected heads' query and output projections, and on 2 CPU cores its bookkeeping cost
+beam-4 decoding of a small model twice the time (benchmarks/README.md, conversion).
 
 ``router="query-norm"`` replaces the learned router with the parameter-free one of converted models
 (:class:`~moa.routing.QueryNormHeadRouter`): it needs every routed head's query to score them, so
@@ -115,6 +119,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
         if bias:
             nn.init.constant_(self.out_proj.bias, 0.0)
         self.compute_all_heads = False
+        self.decode_all_heads = True
 
     def forward(
         self,
@@ -154,9 +159,10 @@ class MixtureOfHeadsAttention(RoutedAttention):
             routing = self.router(x, padding)
         self.routing = routing
         bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
-        if self.compute_all_heads or need_head_weights or self.top_k == self.router.routed_heads:
+        if self.compute_all_heads or need_head_weights or self.top_k == self.router.routed_heads or \
+                (self.decode_all_heads and incremental_state is not None):
             y, weights = self._forward_all_heads(x, routing, keys, values, bias, tgt_len, bsz,
-                                                 need_weights or need_head_weights, need_head_weights)
+                                                 need_weights or need_head_weights, need_head_weights, routed_queries)
         else:
             y, weights = self._forward_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
                                                     routed_queries)
@@ -207,10 +213,16 @@ class MixtureOfHeadsAttention(RoutedAttention):
         return y, weights
 
     def _forward_all_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
-                           need_head_weights):
+                           need_head_weights, routed_queries: Optional[Tensor] = None):
         """Every head computed, then scaled by its gate (zero for unselected routed heads)."""
         gates = self.full_gates(routing)  # (N, h)
-        q = self.q_proj(x).view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        if routed_queries is None:
+            q = self.q_proj(x)
+        else:  # the router projected the routed heads' queries already
+            shared = F.linear(x, self.q_proj.weight[:self.shared_heads * self.head_dim],
+                              _rows(self.q_proj.bias, self.shared_heads * self.head_dim))
+            q = torch.cat([shared, routed_queries.reshape(x.size(0), -1)], dim=1)
+        q = q.view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
         o, weights = self._attend(q, keys, values, bias, need_weights)
         o = o * gates.view(tgt_len, bsz, self.num_heads).permute(1, 2, 0).unsqueeze(-1)
         y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, self.embed_dim), self.out_proj.weight)
