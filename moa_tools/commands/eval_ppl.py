@@ -4,8 +4,9 @@
 
 Runs ``fairseq-validate --task masked_lm`` for each subset (default: valid test).
 fairseq logs ``loss`` in bits per masked token (base 2) and ``ppl = 2 ** loss``;
-this prints the mean negative log-likelihood in nats (``loss * ln 2``) and the
-perplexity ``exp(nats)``, which is the same number as fairseq's ``ppl``. The
+this prints the mean negative log-likelihood in nats and the perplexity
+``exp(nats)``, which is fairseq's ``ppl``. Both are read from ``ppl``: fairseq rounds
+the logged ``loss`` to 0.01 bits (0.7% of perplexity) and ``ppl`` to 0.01. The
 masks are fairseq's validation masks (seeded by the checkpoint's seed), so two
 evaluations of one checkpoint agree exactly.
 """
@@ -18,11 +19,11 @@ import sys
 
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 
-_RESULT = re.compile(r"valid on '([^']+)' subset \| loss ([\d.]+)")
+_RESULT = re.compile(r"valid on '([^']+)' subset \|.* \| ppl ([\d.]+)")  # routing figures may come between
 
 
 def evaluate(checkpoint: str, data_bin: str, subset: str, extra=()) -> float:
-    """fairseq-validate's masked-token loss on ``subset``, in bits per token."""
+    """fairseq-validate's masked-token perplexity on ``subset`` (``2 ** loss`` before rounding)."""
     output = run_logged([fairseq_command("fairseq-validate"), data_bin, "--user-dir", USER_DIR, "--task", "masked_lm",
                          "--path", checkpoint, "--valid-subset", subset, "--batch-size", "16",
                          "--required-batch-size-multiple", "1", *extra])
@@ -46,10 +47,10 @@ def _main(argv) -> int:
         if not os.path.exists(path):
             raise ToolError(f"{path} does not exist")
     for subset in args.subsets:
-        bits = evaluate(args.checkpoint, args.data_bin, subset, extra)
-        nats = bits * math.log(2)
-        print(f"{subset}: masked-token NLL {nats:.4f} nats ({bits:.3f} bits, fairseq's 'loss'); "
-              f"perplexity exp(NLL) = {math.exp(nats):.3f}")
+        ppl = evaluate(args.checkpoint, args.data_bin, subset, extra)
+        nats = math.log(ppl)
+        print(f"{subset}: masked-token NLL {nats:.4f} nats ({nats / math.log(2):.4f} bits, fairseq's 'loss'); "
+              f"perplexity exp(NLL) = {ppl:.2f}")
     return 0
 
 
