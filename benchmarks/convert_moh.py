@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/convert_moh.py [--original CKPT] [--updates 300] [--mlm-updates 200]
     .venv/bin/python benchmarks/convert_moh.py --smoke          # minutes; the slow tests run it
-    .venv/bin/python benchmarks/convert_moh.py --decode-only    # re-time decoding of the tuned models
+    .venv/bin/python benchmarks/convert_moh.py --remeasure      # re-time decoding, re-score perplexity
 
 Translation, Multi30k En-De: the Multi30k benchmark's Transformer (4 heads of 64; trained here for
 --minutes with that benchmark's settings unless --original names one) is converted to MoH at 75%
@@ -149,27 +149,48 @@ def masked_lm(args, work):
     original_dir = os.path.join(work, "mlm", "original")
     mlm_wikitext2.train(data_bin, ["--arch", "roberta", "--criterion", "masked_lm", *mlm_wikitext2.SHAPE],
                         original_dir, updates)
-    original = os.path.join(original_dir, "checkpoint_last.pt")
+    original = mlm_start(work, "-")
     runs = [("RoBERTa 4x64 (the original)", 4, 0, "-", original,
              ["--arch", "roberta", "--criterion", "masked_lm", *mlm_wikitext2.SHAPE])]
     label, shared, top_k = CONVERSIONS[0]
     for router in ROUTERS:
         name = f"MoH {label} ({shared} shared + top-{top_k} of {4 - shared}), {router}"
-        out = os.path.join(work, "mlm", "converted-" + router + ".pt")
+        out = mlm_start(work, router)
         state, summary = convert_to(original, shared, top_k, router, out)
         print(summary, flush=True)
         runs.append((name, shared, top_k, router, out, continue_flags(state) + ["--criterion", "moa_masked_lm"]))
     rows = []
     for name, shared, top_k, router, start, flags in runs:
-        save = os.path.join(work, "mlm", "continued-" + re.sub(r"\W+", "-", name).strip("-"))
+        save = os.path.dirname(mlm_tuned(work, name))
         before = mlm_wikitext2.perplexities(start, data_bin)
         mlm_wikitext2.train(data_bin, flags, save, args.mlm_updates, ["--finetune-from-model", start])
-        after = mlm_wikitext2.perplexities(os.path.join(save, "checkpoint_last.pt"), data_bin)
+        after = mlm_wikitext2.perplexities(mlm_tuned(work, name), data_bin)
         rows.append({"task": "masked LM", "model": name, "active_heads": (shared + top_k) / 4 if top_k else 1.0,
                      "router": router, "date": time.strftime("%Y-%m-%d"), "updates": args.mlm_updates,
                      "original_updates": updates, "test_ppl_before": before.get("test"),
                      "test_ppl_after": after.get("test"), "valid_ppl_after": after.get("valid")})
         print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def mlm_start(work, router):
+    """The original RoBERTa (router "-") or its conversion with ``router``."""
+    return os.path.join(work, "mlm", "original", "checkpoint_last.pt") if router == "-" else \
+        os.path.join(work, "mlm", f"converted-{router}.pt")
+
+
+def mlm_tuned(work, name):
+    return os.path.join(work, "mlm", "continued-" + re.sub(r"\W+", "-", name).strip("-"), "checkpoint_last.pt")
+
+
+def rescore_perplexity(args, rows):
+    """The perplexities of an earlier run's masked-LM checkpoints, evaluated again."""
+    data_bin = os.path.join(args.workdir, "mlm", "wt2", "data-bin")
+    for row in rows:
+        before = mlm_wikitext2.perplexities(mlm_start(args.workdir, row["router"]), data_bin)
+        after = mlm_wikitext2.perplexities(mlm_tuned(args.workdir, row["model"]), data_bin)
+        row.update(test_ppl_before=before["test"], test_ppl_after=after["test"], valid_ppl_after=after["valid"],
+                   ppl_date=time.strftime("%Y-%m-%d"))
     return rows
 
 
@@ -217,8 +238,9 @@ def _main(argv):
     parser.add_argument("--mlm-updates", type=int, default=200, help="continued updates, masked LM (default 200)")
     parser.add_argument("--tasks", nargs="+", choices=["translation", "mlm"], default=["translation", "mlm"])
     parser.add_argument("--smoke", action="store_true", help="small data, 20-update original, few updates")
-    parser.add_argument("--decode-only", action="store_true",
-                        help="train nothing: re-time the decoding of the tuned models of the --out results")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="train nothing: re-time decoding and re-score perplexity of the checkpoints of the run "
+                             "that wrote --out, with the code as it is now")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-convert-moh"))
     parser.add_argument("--out", default=os.path.join(RESULTS, "convert-moh"), help="output prefix for .json and .md")
     args = parser.parse_args(argv)
@@ -227,10 +249,11 @@ def _main(argv):
     if args.original and not os.path.isfile(args.original):
         raise ToolError(f"--original {args.original} does not exist")
     os.makedirs(args.workdir, exist_ok=True)
-    if args.decode_only:
+    if args.remeasure:
         with open(args.out + ".json", encoding="utf-8") as f:
             report = json.load(f)
-        translation_rows, original, mlm_rows = retime_decoding(args, report), report["original"], report["mlm"]
+        translation_rows, original = retime_decoding(args, report), report["original"]
+        mlm_rows = rescore_perplexity(args, report["mlm"])
     else:
         translation_rows, original = translation(args, args.workdir) if "translation" in args.tasks else ([], None)
         mlm_rows = masked_lm(args, args.workdir) if "mlm" in args.tasks else []
