@@ -37,8 +37,10 @@ def original(tmp_path_factory):
 
 
 def _hypotheses(data_bin, checkpoint):
+    """{sentence id: (score, hypothesis)} of fairseq-generate's H- lines."""
     out = run_cli("fairseq-generate", data_bin, "--path", checkpoint, *GENERATE).stdout
-    return sorted(line for line in out.splitlines() if line.startswith("H-"))
+    rows = [line.split("\t") for line in out.splitlines() if line.startswith("H-")]
+    return {int(sid[2:]): (float(score), text) for sid, score, text in rows}
 
 
 def test_with_every_head_active_fairseq_generate_translates_as_the_original(original):
@@ -46,8 +48,10 @@ def test_with_every_head_active_fairseq_generate_translates_as_the_original(orig
     run_cli("moa-convert-moh", original["checkpoint"], "--shared-heads", "1", "--top-k", "3", "--router", "query-norm",
             "--out", out)
     expected = _hypotheses(original["data_bin"], original["checkpoint"])
-    assert len(expected) == 21
-    assert _hypotheses(original["data_bin"], out) == expected
+    converted = _hypotheses(original["data_bin"], out)
+    assert len(expected) == 21 and sorted(converted) == sorted(expected)
+    for sid, (score, text) in expected.items():
+        assert converted[sid][1] == text and converted[sid][0] == pytest.approx(score, abs=1e-5)
 
 
 def test_a_converted_model_validates_and_continues_training_with_the_printed_flags(original):
@@ -68,10 +72,10 @@ def test_a_converted_model_validates_and_continues_training_with_the_printed_fla
     first = run_cli(*train, "--max-update", "4")
     log = first.stdout + first.stderr
     assert "MoHTransformerModel" in log and "router=learned" in log
-    assert re.search(r"loaded checkpoint .*moh-75\.pt \(epoch \d+ @ \d+ updates\)", log)
+    assert re.search(r"Loaded checkpoint .*moh-75\.pt \(epoch \d+ @ \d+ updates\)", log)
     figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", [line for line in log.splitlines() if "| train |" in line][-1]))
     assert int(figures["num_updates"]) == 4 and float(figures["moh_active"]) == pytest.approx(0.75)
     resumed = run_cli(*train, "--max-update", "6")
     log = resumed.stdout + resumed.stderr
-    assert re.search(r"loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 4 updates\)", log)
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 4 updates\)", log)
     assert "done training" in log and re.search(r"num_updates 6\b", log)
