@@ -6,9 +6,8 @@ from typing import List
 def _pyplot():
     import logging
 
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's logging shows DEBUG otherwise
     import matplotlib
-
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -48,6 +47,9 @@ def _by_layer(ax, reports, key, figures, ylabel, scale=None):
             rows = [m for m in report[figures] if m["type"] == kind]
             ax.plot([m["layer"] for m in rows], [m[key] / (m[scale] if scale else 1) for m in rows], marker="o",
                     label=f"{report['label']}, {kind}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)

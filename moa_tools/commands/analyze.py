@@ -68,7 +68,7 @@ def specialisation_markdown(results, labels, kind, layer, min_count, top) -> str
              "expert / occurrences of the token."]
     for result, label in zip(results, labels):
         candidates = [m for m in result["modules"] if m.kind == kind]
-        lines += ["", f"## {label} ({result['arch']})", ""]
+        lines += ["", f"## {label}" + ("" if result["arch"] in label else f" ({result['arch']})"), ""]
         if not candidates:
             lines.append(f"No routed {kind} module: specialisation does not apply." if not result["modules"] else
                          f"No routed {kind} module; routed types: "
@@ -82,7 +82,8 @@ def specialisation_markdown(results, labels, kind, layer, min_count, top) -> str
         dictionary = result["dictionaries"][kind.split("-")[0]]
         load = module.summary()["load"]
         lines += [f"Layer {module.layer}, {module.num_experts} {'experts' if module.family == 'MoA' else 'routed heads'}, "
-                  f"top-{module.top_k}, {module.tokens:,} tokens.", "", "| expert | load | tokens |", "|---|---|---|"]
+                  f"top-{module.top_k}, {module.tokens:,} tokens.", "",
+                  f"| {'expert' if module.family == 'MoA' else 'routed head'} | load | tokens |", "|---|---|---|"]
         for expert, rows in module.specialisation(min_count, top).items():
             cells = ", ".join(f"`{dictionary[t]}` ({pmi:.2f}, {n}/{occ})" for t, pmi, n, occ in rows) or "—"
             lines.append(f"| {expert} | {load[expert]:.3f} | {cells} |")

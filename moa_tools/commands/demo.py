@@ -111,8 +111,11 @@ def _main(argv):
     print(f"BLEU = {report.sacrebleu:.2f}  ({report.signature})", flush=True)
 
     print("[5/5] what the routers learned: moa-analyze on the test set", flush=True)
+    import logging
+
     from moa_tools.commands import analyze
 
+    logging.getLogger("fairseq").setLevel(logging.WARNING)  # in-process: fairseq's loading chatter
     analysis = os.path.join(args.workdir, "analysis")
     if analyze.main([os.path.join(ckpt, "checkpoint_last.pt"), data_bin, "--subset", "test", "--out", analysis,
                      "--labels", args.arch, "--no-progress"]):
