@@ -85,7 +85,7 @@ def translation(args, work):
         print(json.dumps(row), flush=True)
     runs = []  # (label, shared, top_k, router, converted checkpoint or None, model flags)
     runs.append(("Transformer 4x64 (the original)", 4, 0, "-", original, TRANSFORMER))
-    for label, shared, top_k in CONVERSIONS:
+    for label, shared, top_k in [c for c in CONVERSIONS if c[0] in args.conversions]:
         for router in ROUTERS:
             name = f"MoH {label} ({shared} shared + top-{top_k} of {4 - shared}), {router}"
             out = os.path.join(work, "converted", re.sub(r"\W+", "-", name).strip("-") + ".pt")
@@ -237,6 +237,8 @@ def _main(argv):
     parser.add_argument("--mlm-original-updates", type=int, default=600, help="updates of the original RoBERTa")
     parser.add_argument("--mlm-updates", type=int, default=200, help="continued updates, masked LM (default 200)")
     parser.add_argument("--tasks", nargs="+", choices=["translation", "mlm"], default=["translation", "mlm"])
+    parser.add_argument("--conversions", nargs="+", choices=[c[0] for c in CONVERSIONS],
+                        default=[c[0] for c in CONVERSIONS], help="active-head fractions to convert to (translation)")
     parser.add_argument("--smoke", action="store_true", help="small data, 20-update original, few updates")
     parser.add_argument("--remeasure", action="store_true",
                         help="train nothing: re-time decoding and re-score perplexity of the checkpoints of the run "
