@@ -62,17 +62,23 @@ def last_valid_nll(log):
     return losses[-1] if losses else float("nan")
 
 
-def convert_to(original, shared, top_k, router, out):
-    state, summary = convert(load_checkpoint(original), shared, top_k, router, original)
+def convert_to(original, original_state, shared, top_k, router, out):
+    """``original`` (its loaded ``original_state``, which conversion leaves as it is) converted into ``out``."""
+    state, summary = convert(original_state, shared, top_k, router, original)
     save_atomically(state, out)
     return state, summary
+
+
+def trained_on(checkpoint):
+    """The prepared data folder (the parent of the data-bin) ``checkpoint`` was trained on."""
+    return os.path.dirname(load_checkpoint(checkpoint)["cfg"]["task"]["data"].rstrip("/"))
 
 
 def translation(args, work):
     pair, tgt = "en-de", "de"
     original = args.original
     if original:  # its own prepared data: the dictionary must be the one it was trained on
-        data_dir = os.path.dirname(load_checkpoint(original)["cfg"]["task"]["data"].rstrip("/"))
+        data_dir = trained_on(original)
         if not os.path.isfile(os.path.join(data_dir, "raw", f"test_2016_flickr.{tgt}")):
             raise ToolError(f"--original {original} was trained on {data_dir}, which holds no prepared Multi30k")
     else:
@@ -85,12 +91,13 @@ def translation(args, work):
         print(json.dumps(row), flush=True)
     runs = []  # (label, shared, top_k, router, converted checkpoint or None, model flags)
     runs.append(("Transformer 4x64 (the original)", 4, 0, "-", original, TRANSFORMER))
+    original_state = load_checkpoint(original)
     for label, shared, top_k in [c for c in CONVERSIONS if c[0] in args.conversions]:
         for router in ROUTERS:
             name = f"MoH {label} ({shared} shared + top-{top_k} of {4 - shared}), {router}"
             out = os.path.join(work, "converted", re.sub(r"\W+", "-", name).strip("-") + ".pt")
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            state, summary = convert_to(original, shared, top_k, router, out)
+            state, summary = convert_to(original, original_state, shared, top_k, router, out)
             print(summary, flush=True)
             runs.append((name, shared, top_k, router, out, continue_flags(state) + MOH_CRITERION))
     rows, tuned = [], {}
@@ -132,7 +139,7 @@ def decoding_ratios(rows):
 def retime_decoding(args, report):
     """Decoding times of the tuned models of an earlier run, taken again in turn (the code as it is now)."""
     rows = report["translation"]
-    data_dir = os.path.dirname(load_checkpoint(report["original"])["cfg"]["task"]["data"].rstrip("/"))
+    data_dir = trained_on(report["original"])
     for row in rows:
         row.setdefault("earlier_decode_s", []).append({"date": row["date"], "decode_s": row["decode_s"]})
         row["decode_s"], row["decode_date"] = [], time.strftime("%Y-%m-%d")
@@ -153,10 +160,11 @@ def masked_lm(args, work):
     runs = [("RoBERTa 4x64 (the original)", 4, 0, "-", original,
              ["--arch", "roberta", "--criterion", "masked_lm", *mlm_wikitext2.SHAPE])]
     label, shared, top_k = CONVERSIONS[0]
+    original_state = load_checkpoint(original)
     for router in ROUTERS:
         name = f"MoH {label} ({shared} shared + top-{top_k} of {4 - shared}), {router}"
         out = mlm_start(work, router)
-        state, summary = convert_to(original, shared, top_k, router, out)
+        state, summary = convert_to(original, original_state, shared, top_k, router, out)
         print(summary, flush=True)
         runs.append((name, shared, top_k, router, out, continue_flags(state) + ["--criterion", "moa_masked_lm"]))
     rows = []
