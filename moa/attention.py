@@ -108,7 +108,7 @@ class MixtureOfAttentionHeads(RoutedAttention):
         # Route the queries; tokens are flattened time-first: n = t * bsz + b.
         x = query.reshape(tgt_len * bsz, embed_dim)
         routing = self.router(x, self.flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
-        self.routing = routing
+        self.record(routing)
         bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
         if self.top_k == self.num_experts:
             return self._forward_all_experts(x, routing, keys, values, bias, tgt_len, bsz, need_weights,

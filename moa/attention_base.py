@@ -12,8 +12,9 @@ unchanged. :class:`RoutedAttention` holds the parts that do not depend on how th
 * re-indexing that cache for beam search;
 * fairseq's two masks as one additive bias (:func:`attention_bias`).
 
-After each forward, ``self.routing`` holds the routing decision of the queries; the model hands
-it to the criterion (``pop_routings``).
+After each forward, ``self.routing`` holds the routing decision of the queries (unless
+``record_routing`` is off, as in the backward's recomputation under activation checkpointing); the
+model hands it to the criterion (``pop_routings``).
 """
 
 from typing import Callable, Dict, Optional, Tuple
@@ -35,6 +36,12 @@ class RoutedAttention(nn.Module):
         self.encoder_decoder_attention = encoder_decoder_attention
         self.query_padding_mask: Optional[Tensor] = None
         self.routing = None
+        self.record_routing = True
+
+    def record(self, routing) -> None:
+        """Keep ``routing`` for the criterion (see :mod:`moa.activation_checkpointing`)."""
+        if self.record_routing:
+            self.routing = routing
 
     def cached_key_value(self, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask: Optional[Tensor],
                          incremental_state: IncrementalState, static_kv: bool,

@@ -157,7 +157,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
             routing = self.router(routed_queries, x.size(0), padding)
         else:
             routing = self.router(x, padding)
-        self.routing = routing
+        self.record(routing)
         bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
         if self.compute_all_heads or need_head_weights or self.top_k == self.router.routed_heads or \
                 (self.decode_all_heads and incremental_state is not None):

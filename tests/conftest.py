@@ -68,6 +68,9 @@ TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim",
         "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8",
         "--dropout", "0", "--attention-dropout", "0", "--encoder-attention-heads", "2",
         "--decoder-attention-heads", "2"]
+TINY_MOH = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
+            "--encoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+            "--dropout", "0", "--attention-dropout", "0"]
 
 
 @pytest.fixture(params=[2, 4], ids=["routed-2of4", "dense-4of4"])

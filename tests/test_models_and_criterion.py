@@ -49,13 +49,6 @@ def test_impossible_top_k_names_the_flags():
         build_model("moa_small", 40, TINY + ["--moa-top-k", "5"])
 
 
-def test_activation_checkpointing_keeps_moa_layers():
-    model = build_model("moa_small", 40, TINY + ["--checkpoint-activations"])
-    layer = model.encoder.layers[0]
-    assert hasattr(layer, "precheckpoint_forward") or hasattr(layer, "_checkpoint_wrap_original_forward")
-    assert isinstance(layer.self_attn, MixtureOfAttentionHeads)
-
-
 def _criterion(model, alpha, beta):
     task = type("Task", (), {"target_dictionary": model.decoder.dictionary})()
     return CRITERION_REGISTRY["moa_label_smoothed_cross_entropy"](
@@ -93,10 +86,3 @@ def test_cross_attention_routing_ignores_target_padding():
     for m in cross:
         assert m.routing.expert_load.sum().item() == real_tokens * m.top_k
         assert m.query_padding_mask is None  # the decoder clears what it set
-
-
-def test_checkpointed_training_refuses_silently_dropped_aux_gradients():
-    model = build_model("moa_small", 40, TINY + ["--checkpoint-activations"]).train()
-    sample = translation_sample(model.decoder.padding_idx)
-    with pytest.raises(RuntimeError, match="checkpoint-activations"):
-        _criterion(model, 0.01, 0.001)(model, sample)

@@ -6,12 +6,9 @@ import torch
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from conftest import build_model, translation_sample
+from conftest import TINY_MOH, build_model, translation_sample
 from moa.moh_attention import MixtureOfHeadsAttention
 
-TINY_MOH = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
-            "--encoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-            "--dropout", "0", "--attention-dropout", "0"]
 
 
 def _count(model):

@@ -114,9 +114,10 @@ def routing_aux_loss(routings: List, sample_size, cfg, logging_output: dict):
     weighted_terms = (moa and (cfg.moa_alpha or cfg.moa_beta)) or (any(r.learned for r in moh) and cfg.moh_beta)
     if torch.is_grad_enabled() and weighted_terms and not any(t.requires_grad for t in terms):
         raise RuntimeError(
-            "the routers' auxiliary losses carry no gradient: the layers ran without autograd "
-            "(fairseq's --checkpoint-activations runs them under no_grad first). Train without "
-            "--checkpoint-activations, or set --moa-alpha 0 --moa-beta 0 --moh-beta 0."
+            "the routers' auxiliary losses carry no gradient: the routed layers ran without autograd "
+            "(fairseq's own checkpoint_wrapper runs them under no_grad first; the plugin's layers "
+            "checkpoint with moa.activation_checkpointing, which keeps it). Build the layers through the "
+            "plugin's archs, or set --moa-alpha 0 --moa-beta 0 --moh-beta 0."
         )
     aux = sample_size * sum(weighted)
     logging_output["moa_aux"] = aux.detach()

@@ -1,8 +1,9 @@
 """fairseq's Transformer with routed attention (MoA or MoH) in the attention types a flag names.
 
 The encoder and decoder layers subclass fairseq's layer classes and override only how attention is
-built, so everything else (layer norm placement, dropout, layer drop, activation checkpointing and
-FSDP wrapping) is fairseq's own. Which module a routed attention type gets is the model's choice:
+built, so everything else (layer norm placement, dropout, layer drop, FSDP wrapping) is fairseq's
+own; activation checkpointing is :mod:`moa.activation_checkpointing`'s, which keeps the auxiliary
+losses' gradient. Which module a routed attention type gets is the model's choice:
 :func:`routed_layer_config` puts the parsed attention types and a builder on fairseq's layer config.
 
 :class:`RoutedModel` is how a model hands its routing decisions (and so its auxiliary losses) to the
@@ -14,9 +15,9 @@ from typing import Callable, List, Tuple
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerEncoderBase, TransformerModel
-from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
+from moa.activation_checkpointing import checkpoint_routed_layer
 from moa.attention_base import RoutedAttention
 
 ATTENTION_TYPES = ("encoder-self", "decoder-self", "decoder-cross")
@@ -53,10 +54,12 @@ def routed_layer_config(args, types: frozenset, build_attention: Callable) -> Tr
 
 
 def wrap_layer(layer, cfg):
-    """Apply fairseq's activation checkpointing and FSDP wrapping, as its own layer builders do."""
+    """Apply activation checkpointing and fairseq's FSDP wrapping, as fairseq's own layer builders
+    do; the checkpointing is :func:`~moa.activation_checkpointing.checkpoint_routed_layer`, which
+    keeps the auxiliary losses' gradient."""
     checkpoint = cfg.checkpoint_activations
     if checkpoint:
-        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+        layer = checkpoint_routed_layer(layer, offload_to_cpu=cfg.offload_activations)
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
 
 
