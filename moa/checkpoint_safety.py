@@ -34,3 +34,18 @@ def _numpy_reconstruct():
 def allow_fairseq_checkpoint_globals() -> None:
     """Register :func:`fairseq_checkpoint_globals` with torch's weights-only unpickler."""
     torch.serialization.add_safe_globals(fairseq_checkpoint_globals())
+
+
+def broadcast_state_globals():
+    """What a fairseq training state holds besides :func:`fairseq_checkpoint_globals` once loaded:
+    rank 0 sends it to the other ranks when a data-parallel run resumes (fairseq's
+    ``broadcast_object``), pickled with its omegaconf config and fairseq's tensor placeholders.
+    Allowed only while a broadcast is received (:mod:`moa.distributed`), never for files."""
+    import collections
+    import typing
+
+    from fairseq.distributed.utils import _TensorPlaceholder
+    from omegaconf import DictConfig, ListConfig, base, nodes
+
+    return [*fairseq_checkpoint_globals(), DictConfig, ListConfig, base.ContainerMetadata, base.Metadata,
+            nodes.AnyNode, typing.Any, collections.defaultdict, dict, list, int, _TensorPlaceholder]
