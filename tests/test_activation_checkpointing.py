@@ -48,3 +48,11 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients(case, flag):
     # the backward's recomputation left no routing behind for the next step's criterion
     assert all(m.routing is None for m in model.modules() if isinstance(m, RoutedAttention))
 
+
+
+@pytest.mark.parametrize("arch", ["moa_roberta_small", "moh_roberta_small"])
+@pytest.mark.parametrize("flag", ["--checkpoint-activations", "--offload-activations"])
+def test_the_masked_lm_archs_take_the_flags_fairseqs_roberta_lacks(arch, flag):
+    model = build_model(arch, 40, ["--encoder-layers", "1", flag])
+    layer = model.encoder.sentence_encoder.layers[0]
+    assert hasattr(layer, "precheckpoint_forward") and isinstance(layer.self_attn, RoutedAttention)

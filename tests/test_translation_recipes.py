@@ -110,6 +110,14 @@ def test_train_script_keeps_the_papers_effective_batch_for_any_gpu_count(tmp_pat
         assert f"--update-freq {freq} " in dry.stdout and "--max-tokens 8192 " in dry.stdout
         assert "--lr 7e-4" in dry.stdout and "--warmup-updates 4000" in dry.stdout and "--adam-eps 1e-9" in dry.stdout
         assert (f"--distributed-world-size {gpus}" in dry.stdout) == (gpus != "1")
+    two_nodes = _script("train-wmt14.sh", "--pair", "en-de", "--data", str(tmp_path), "--gpus", "8", "--nodes", "2",
+                        "--node-rank", "1", "--master", "node0:29500", "--dry-run")
+    assert two_nodes.returncode == 0, two_nodes.stderr
+    assert two_nodes.stdout.startswith("torchrun --nnodes 2 --nproc-per-node 8 --node-rank 1 --master-addr node0 "
+                                       "--master-port 29500 ")
+    assert "--update-freq 2 " in two_nodes.stdout and "--distributed-world-size" not in two_nodes.stdout
+    no_master = _script("train-wmt14.sh", "--pair", "en-de", "--data", str(tmp_path), "--nodes", "2", "--dry-run")
+    assert no_master.returncode == 2 and "needs --master HOST:PORT" in no_master.stderr
     bad = _script("train-wmt14.sh", "--pair", "en-de", "--data", str(tmp_path), "--gpus", "3", "--dry-run")
     assert bad.returncode == 2 and "does not divide the paper's 262144 tokens per update" in bad.stderr
     missing = _script("train-wmt14.sh", "--pair", "en-fr", "--data", str(tmp_path / "nowhere"))

@@ -4,11 +4,13 @@
 # updates from 1e-7, label smoothing 0.1, --share-all-embeddings, dropout 0.2 / attention 0.2 / activation 0.1
 # (the moa_base and moa_big defaults), alpha 0.01, beta 0.001, up to 100 epochs, and 8,192 tokens per GPU
 # with update-freq 32 on one GPU: 262,144 tokens per update. --gpus N divides the update-freq so that every
-# GPU count sees the same effective batch (max-tokens x GPUs x update-freq = 262,144).
+# GPU count sees the same effective batch (max-tokens x GPUs x update-freq = 262,144). --gpus is per node; with
+# --nodes N the script is run once on every node, each with its --node-rank, and launches fairseq-train there with
+# torchrun (rendezvous at --master HOST:PORT, node 0's address).
 # Every epoch is saved and the last 10 kept, for evaluate.sh's checkpoint averaging.
 #
 #   examples/translation/train-wmt14.sh --pair en-de|en-fr [--data DIR] [--arch moa_base|moa_big|moh_base] [--gpus N]
-#       [--max-tokens 8192] [--save-dir DIR] [--dry-run] [-- extra fairseq-train arguments, which win]
+#       [--nodes N --node-rank R --master HOST:PORT] [--max-tokens 8192] [--save-dir DIR] [--dry-run] [-- extra fairseq-train arguments, which win]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 [ -d "$repo/.venv/bin" ] && PATH="$repo/.venv/bin:$PATH"
@@ -18,6 +20,9 @@ pair=""
 data=""
 arch=moa_base
 gpus=1
+nodes=1
+node_rank=0
+master=""
 max_tokens=8192
 save_dir=""
 dry_run=0
@@ -28,6 +33,9 @@ while [ $# -gt 0 ]; do
         --data) data=$2; shift 2 ;;
         --arch) arch=$2; shift 2 ;;
         --gpus) gpus=$2; shift 2 ;;
+        --nodes) nodes=$2; shift 2 ;;
+        --node-rank) node_rank=$2; shift 2 ;;
+        --master) master=$2; shift 2 ;;
         --max-tokens) max_tokens=$2; shift 2 ;;
         --save-dir) save_dir=$2; shift 2 ;;
         --dry-run) dry_run=1; shift ;;
@@ -41,10 +49,13 @@ data=${data:-wmt14-$pair}
 if [ ! -f "$data/dict.en.txt" ]; then
     echo "$me: no binarised data at $data (run prepare-wmt14.sh --pair $pair first, or pass --data)" >&2; exit 2
 fi
-per_update=$((max_tokens * gpus))
-if [ "$gpus" -lt 1 ] || [ $((effective % per_update)) -ne 0 ]; then
-    echo "$me: --max-tokens $max_tokens x --gpus $gpus does not divide the paper's $effective tokens per update;" \
-         "use a GPU count and max-tokens whose product divides it (e.g. 1, 2, 4, 8 GPUs with 8192)" >&2
+if [ "$nodes" -gt 1 ] && [[ ! "$master" =~ ^[^:]+:[0-9]+$ ]]; then
+    echo "$me: --nodes $nodes needs --master HOST:PORT (node 0's address and a free port)" >&2; exit 2
+fi
+per_update=$((max_tokens * gpus * nodes))
+if [ "$gpus" -lt 1 ] || [ "$nodes" -lt 1 ] || [ $((effective % per_update)) -ne 0 ]; then
+    echo "$me: --max-tokens $max_tokens x --gpus $gpus x --nodes $nodes does not divide the paper's $effective" \
+         "tokens per update; use GPU counts and max-tokens whose product divides it (e.g. 1, 2, 4, 8 GPUs with 8192)" >&2
     exit 2
 fi
 update_freq=$((effective / per_update))
@@ -57,9 +68,14 @@ cmd=(fairseq-train "$data" --user-dir "$repo/moa" --task translation --source-la
      --lr 7e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --warmup-init-lr 1e-7
      --max-tokens "$max_tokens" --update-freq "$update_freq" --max-epoch 100
      --save-dir "$save_dir" --keep-last-epochs 10 --log-format simple --log-interval 100)
-[ "$gpus" -gt 1 ] && cmd+=(--distributed-world-size "$gpus")
+if [ "$nodes" -gt 1 ]; then   # one torchrun per node; fairseq takes ranks and world size from it
+    cmd=(torchrun --nnodes "$nodes" --nproc-per-node "$gpus" --node-rank "$node_rank" --master-addr "${master%:*}"
+         --master-port "${master##*:}" "$(command -v fairseq-train || echo fairseq-train)" "${cmd[@]:1}")
+elif [ "$gpus" -gt 1 ]; then
+    cmd+=(--distributed-world-size "$gpus")
+fi
 command -v nvidia-smi >/dev/null 2>&1 && cmd+=(--fp16)
 cmd+=("$@")
-echo "effective batch: $max_tokens tokens x $gpus GPU(s) x update-freq $update_freq = $effective tokens per update" >&2
+echo "effective batch: $max_tokens tokens x $((gpus * nodes)) GPU(s) x update-freq $update_freq = $effective tokens per update" >&2
 if [ "$dry_run" = 1 ]; then printf '%q ' "${cmd[@]}"; echo; exit 0; fi
 "${cmd[@]}"

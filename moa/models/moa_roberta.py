@@ -19,7 +19,8 @@ from torch import nn
 
 from moa.attention import MixtureOfAttentionHeads
 from moa.models.moa_transformer import add_moa_args, check_moa_args, moa_layer_config, set_moa_defaults
-from moa.models.routed_transformer import RoutedModel, RoutedTransformerEncoder, small_roberta_shape
+from moa.models.routed_transformer import (RoutedModel, RoutedTransformerEncoder, add_activation_checkpointing_args,
+                                           small_roberta_shape)
 
 
 def init_moa_bert_params(module):
@@ -44,6 +45,7 @@ class MoARobertaModel(RoutedModel, RobertaModel):
     @staticmethod
     def add_args(parser):
         RobertaModel.add_args(parser)
+        add_activation_checkpointing_args(parser)
         add_moa_args(parser)
 
     @classmethod

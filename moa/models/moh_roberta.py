@@ -17,7 +17,8 @@ from fairseq.models.roberta.model import base_architecture as roberta_base_archi
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
 from moa.models.moh_transformer import add_moh_args, check_moh_args, moh_layer_config, set_moh_defaults
-from moa.models.routed_transformer import RoutedModel, RoutedTransformerEncoder, small_roberta_shape
+from moa.models.routed_transformer import (RoutedModel, RoutedTransformerEncoder, add_activation_checkpointing_args,
+                                           small_roberta_shape)
 
 
 class MoHRobertaEncoder(RobertaEncoder):
@@ -34,6 +35,7 @@ class MoHRobertaModel(RoutedModel, RobertaModel):
     @staticmethod
     def add_args(parser):
         RobertaModel.add_args(parser)
+        add_activation_checkpointing_args(parser)
         add_moh_args(parser)
 
     @classmethod

@@ -57,10 +57,20 @@ def wrap_layer(layer, cfg):
     """Apply activation checkpointing and fairseq's FSDP wrapping, as fairseq's own layer builders
     do; the checkpointing is :func:`~moa.activation_checkpointing.checkpoint_routed_layer`, which
     keeps the auxiliary losses' gradient."""
-    checkpoint = cfg.checkpoint_activations
+    checkpoint = cfg.checkpoint_activations or cfg.offload_activations  # offloading implies checkpointing
     if checkpoint:
         layer = checkpoint_routed_layer(layer, offload_to_cpu=cfg.offload_activations)
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
+
+
+def add_activation_checkpointing_args(parser) -> None:
+    """fairseq's Transformer flags for activation checkpointing, which its RoBERTa lacks."""
+    parser.add_argument("--checkpoint-activations", action="store_true",
+                        help="checkpoint activations at each layer, which saves GPU memory at the cost of "
+                             "recomputing the layers in the backward pass")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="checkpoint activations and keep the saved ones in CPU memory (implies "
+                             "--checkpoint-activations)")
 
 
 class RoutedTransformerEncoderLayer(TransformerEncoderLayerBase):
