@@ -9,6 +9,8 @@ else (``os.system``, say) is refused by torch with ``Weights only load failed``.
 """
 
 import argparse
+import os
+import zipfile
 
 import numpy as np
 import torch
@@ -49,3 +51,54 @@ def broadcast_state_globals():
 
     return [*fairseq_checkpoint_globals(), DictConfig, ListConfig, base.ContainerMetadata, base.Metadata,
             nodes.AnyNode, typing.Any, collections.defaultdict, dict, list, int, _TensorPlaceholder]
+
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint file that is not a complete torch archive (an interrupted save or copy)."""
+
+
+def is_damaged_checkpoint(path: str) -> bool:
+    """True when the local file ``path`` is not a complete, readable torch zip archive: its central
+    directory (written last) is missing, or a member fails its CRC."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip() is not None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return True
+
+
+def damaged_checkpoint_message(path: str, error: BaseException) -> str:
+    """What a damaged checkpoint is and what to use instead: the newest complete checkpoint beside it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    others = sorted((os.path.join(folder, name) for name in os.listdir(folder)
+                     if name.endswith(".pt") and os.path.join(folder, name) != os.path.abspath(path)),
+                    key=os.path.getmtime, reverse=True)
+    newest = next((other for other in others if not is_damaged_checkpoint(other)), None)
+    if newest:
+        fix = (f"Start from the newest complete checkpoint beside it instead: fairseq-train ... --restore-file "
+               f"{newest} to resume training, --path {newest} to evaluate.")
+    else:
+        fix = f"{folder} holds no other complete checkpoint: restore the file from a copy, or train again."
+    reason = str(error).split(". ")[0]
+    return f"{path} is truncated or corrupt ({reason}): the save or copy that wrote it did not finish. {fix}"
+
+
+def fail_clearly_on_damaged_checkpoints() -> None:
+    """Make fairseq's checkpoint loading (training resume, generate, validate, interactive) report
+    a damaged file by name, with :func:`damaged_checkpoint_message`, instead of torch's zip error."""
+    from fairseq import checkpoint_utils
+
+    load = getattr(checkpoint_utils.load_checkpoint_to_cpu, "fairseq_load", checkpoint_utils.load_checkpoint_to_cpu)
+
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return load(path, *args, **kwargs)
+        except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
+            if is_damaged_checkpoint(path):
+                raise DamagedCheckpointError(damaged_checkpoint_message(path, error)) from error
+            raise
+
+    load_checkpoint_to_cpu.fairseq_load = load
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu

@@ -6,6 +6,7 @@ What every tool shares lives here:
 
 * :data:`USER_DIR`, the folder to pass as fairseq's ``--user-dir``, found without importing it;
 * :func:`fairseq_command`, the path of a console script installed beside this Python;
+* :func:`require_subset`, the check that a data-bin holds a subset, listing the ones it holds;
 * the error convention: a tool raises :class:`ToolError` (or lets an ``OSError`` through) with a
   message that names the problem and the fix; :func:`run_tool` prints it as
   ``PROG: error: MESSAGE`` (argparse's own format) and returns exit code 1.
@@ -31,6 +32,19 @@ def run_tool(prog: str, main: Callable[[Optional[Sequence[str]]], Optional[int]]
     except (ToolError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
+
+
+def require_subset(data_bin: str, subset: str, choose: str = "a subset") -> None:
+    """Raise :class:`ToolError` unless ``data_bin`` is a folder holding ``subset`` (``SUBSET.bin``,
+    or ``SUBSET.SRC-TGT.LANG.bin`` for translation); the message lists the subsets it holds."""
+    import glob
+
+    if not os.path.isdir(data_bin):
+        raise ToolError(f"DATA-BIN {data_bin} is not a folder (give the fairseq-preprocess output the model was "
+                        "trained on)")
+    if not glob.glob(os.path.join(data_bin, f"{subset}.bin")) + glob.glob(os.path.join(data_bin, f"{subset}.*.bin")):
+        found = sorted({os.path.basename(p).split(".")[0] for p in glob.glob(os.path.join(data_bin, "*.bin"))})
+        raise ToolError(f"{data_bin} holds no {subset!r} subset; choose {choose} from: {', '.join(found) or 'none'}")
 
 
 def fairseq_command(name: str) -> str:

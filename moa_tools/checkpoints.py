@@ -40,7 +40,11 @@ def load_checkpoint(path: str) -> dict:
     except pickle.UnpicklingError as e:
         raise ToolError(f"{path} cannot be loaded safely: {e}") from e
     except (RuntimeError, EOFError) as e:
-        raise ToolError(f"{path} is truncated or corrupt ({e}); use an earlier checkpoint") from e
+        from moa.checkpoint_safety import damaged_checkpoint_message, is_damaged_checkpoint
+
+        if is_damaged_checkpoint(path):
+            raise ToolError(damaged_checkpoint_message(path, e)) from e
+        raise ToolError(f"{path} cannot be read as a checkpoint ({e})") from e
     if not isinstance(state, dict) or "model" not in state:
         raise ToolError(f"{path} is not a fairseq checkpoint: it holds no 'model' state")
     return state

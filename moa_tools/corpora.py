@@ -105,6 +105,9 @@ def filter_pairs(source_in: str, target_in: str, source_out: str, target_out: st
     if target_total != total:
         raise CorpusError(f"mismatched parallel corpora: {source_in} has {total} lines, "
                           f"{target_in} has {target_total}")
+    if total == 0:
+        raise CorpusError(f"{source_in} and {target_in} are empty: there is nothing to filter; check the step "
+                          "that wrote them")
     kept = 0
     with atomic_text_outputs(source_out, target_out) as (s_out, t_out):
         for s, t in zip(read_lines(source_in), read_lines(target_in)):  # streamed: En-Fr has ~36M pairs

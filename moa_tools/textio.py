@@ -2,18 +2,34 @@
 
 Lines are split on ``\\n`` only: Python's universal newlines (and fairseq's own readers) would also
 break at ``\\r``, and ``str.splitlines`` at U+2028 and friends, which corpora such as Common Crawl
-carry inside sentences.
+carry inside sentences. Text must be UTF-8: a byte sequence that is not stops the reading with a
+:class:`NotUTF8Error` naming the file, the line and the fix, and whatever the step was writing is
+removed.
 """
 
 import os
 from contextlib import ExitStack, contextmanager
 from typing import IO, Iterable, Iterator, List
 
+from moa_tools import ToolError
+
+
+class NotUTF8Error(ToolError):
+    """A text input that is not UTF-8."""
+
 
 def read_lines(path: str) -> Iterator[str]:
-    """The lines of a UTF-8 file, split on ``\\n`` only; undecodable bytes become U+FFFD."""
-    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-        for line in f:
+    """The lines of a UTF-8 file, split on ``\\n`` only; raises :class:`NotUTF8Error` at the first
+    line that does not decode."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise NotUTF8Error(
+                    f"{path}: line {number} is not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start} of the line); "
+                    f"convert the file to UTF-8 first (e.g. iconv -f LATIN1 -t UTF-8 {path}), or remove the line"
+                ) from None
             yield line[:-1] if line.endswith("\n") else line
 
 

@@ -44,6 +44,9 @@ def check_moa_args(args) -> None:
     if not 1 <= args.moa_top_k <= args.moa_experts:
         raise ValueError(f"--moa-top-k {args.moa_top_k} with --moa-experts {args.moa_experts}: "
                          "MoA selects between 1 and --moa-experts experts per token")
+    if args.moa_head_dim < 1:
+        raise ValueError(f"--moa-head-dim {args.moa_head_dim}: each expert's head needs a width of at least 1 "
+                         "(the paper's D, e.g. 64 or 128)")
 
 
 def moa_layer_config(args):

@@ -135,7 +135,12 @@ def small_roberta_shape(args) -> None:
 
 
 class RoutedModel:
-    """Mixed into the MoA and MoH models: the routing decisions of the last forward, for the criterion."""
+    """Mixed into the MoA and MoH models: the routing decisions of the last forward, for the criterion,
+    and a clear error for a checkpoint trained on other dictionaries."""
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        check_dictionary_sizes(self.state_dict(), state_dict)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def pop_routings(self) -> List:
         """The :class:`~moa.routing.Routing` / :class:`~moa.routing.HeadRouting` of every routed
@@ -150,6 +155,19 @@ class RoutedModel:
                 routings.append((name, module.routing))
                 module.routing = None
         return routings
+
+
+def check_dictionary_sizes(model_state, checkpoint_state) -> None:
+    """Refuse a checkpoint whose embedding tables do not match this model's dictionaries, naming both sizes."""
+    for name, ours in model_state.items():
+        if name.endswith("embed_tokens.weight") and name in checkpoint_state:
+            theirs = checkpoint_state[name].shape[0]
+            if theirs != ours.shape[0]:
+                side = "target" if name.startswith("decoder.") else "source"
+                raise ValueError(
+                    f"the checkpoint's {side} dictionary has {theirs} symbols, this data's has {ours.shape[0]} "
+                    f"({name}): it was trained on another data-bin. Use the data-bin it was trained with (the "
+                    f"same dict.*.txt), or train a new model on this one")
 
 
 class RoutedTransformerModel(RoutedModel, TransformerModel):

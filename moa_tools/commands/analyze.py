@@ -19,12 +19,11 @@ every checkpoint has been measured.
 """
 
 import argparse
-import glob
 import json
 import os
 import sys
 
-from moa_tools import ToolError, run_tool
+from moa_tools import ToolError, require_subset, run_tool
 from moa_tools.textio import atomic_text_outputs
 
 ATTENTION_TYPES = ("encoder-self", "decoder-self", "decoder-cross")
@@ -33,12 +32,7 @@ ATTENTION_TYPES = ("encoder-self", "decoder-self", "decoder-cross")
 def _check_inputs(checkpoints, data_bin, subset, out):
     from moa_tools.checkpoints import load_checkpoint
 
-    if not os.path.isdir(data_bin):
-        raise ToolError(f"DATA-BIN {data_bin} is not a folder (give the fairseq-preprocess output the model was "
-                        "trained on)")
-    if not glob.glob(os.path.join(data_bin, f"{subset}.bin")) + glob.glob(os.path.join(data_bin, f"{subset}.*.bin")):
-        found = sorted({os.path.basename(p).split(".")[0] for p in glob.glob(os.path.join(data_bin, "*.bin"))})
-        raise ToolError(f"{data_bin} holds no {subset!r} subset; choose --subset from: {', '.join(found) or 'none'}")
+    require_subset(data_bin, subset, "--subset")
     for path in checkpoints:
         if not os.path.isfile(path):
             raise ToolError(f"no such checkpoint: {path}")

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
+from moa_tools import USER_DIR, ToolError, fairseq_command, require_subset, run_logged, run_tool
 
 _RESULT = re.compile(r"valid on '([^']+)' subset \|.* \| ppl ([\d.]+)")  # routing figures may come between
 
@@ -43,9 +43,10 @@ def _main(argv) -> int:
     parser.add_argument("data_bin")
     parser.add_argument("subsets", nargs="*", default=["valid", "test"])
     args = parser.parse_args(argv)
-    for path in (args.checkpoint, args.data_bin):
-        if not os.path.exists(path):
-            raise ToolError(f"{path} does not exist")
+    if not os.path.exists(args.checkpoint):
+        raise ToolError(f"{args.checkpoint} does not exist")
+    for subset in args.subsets:
+        require_subset(args.data_bin, subset, "the SUBSET arguments")
     for subset in args.subsets:
         ppl = evaluate(args.checkpoint, args.data_bin, subset, extra)
         nats = math.log(ppl)
