@@ -123,7 +123,17 @@ def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor
     Rows of dst that no assignment names stay zero and repeated dst rows are summed
     (on CUDA in a nondeterministic order, as index_add_ is there), unless
     ``dst_is_permutation`` promises that dst names each of the out_rows exactly once.
+    Under autocast the projection runs in the autocast dtype, as ``F.linear`` would.
     """
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # an autograd Function is not autocast: cast as a matmul would be
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        scale = None if scale is None else scale.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return _ExpertLinear.apply(x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation,
+                                       expert_dim)
     return _ExpertLinear.apply(x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation,
                                expert_dim)
 

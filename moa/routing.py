@@ -72,7 +72,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Routing:
         """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding."""
-        logits = F.linear(x.to(router_dtype(x)), self.weight.to(router_dtype(x)))  # (N, E)
+        logits = router_linear(x, self.weight)  # (N, E)
         probs = logits.softmax(dim=-1)
         top_probs, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
         if self.gate_weights == "renormalized":
@@ -83,6 +83,14 @@ class TopKRouter(nn.Module):
         l_a, load = load_balancing_loss(probs, experts, keep)
         l_z = router_z_loss(logits, keep)
         return Routing(experts, weights.to(x.dtype), l_a, l_z, load, probs)
+
+
+def router_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """Router logits ``x W^T`` in :func:`router_dtype`, also under autocast (which would run the
+    matmul in bf16/fp16 whatever its inputs' dtype)."""
+    dtype = router_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.to(dtype), weight.to(dtype))
 
 
 def router_dtype(x: Tensor) -> torch.dtype:
@@ -205,18 +213,18 @@ class TwoStageHeadRouter(nn.Module):
         shared = routed = heads = probs = None
         balance, load = x32.new_zeros(()), x32.new_zeros(self.routed_heads)
         if self.shared is not None:
-            shared = F.linear(x32, self.shared.weight.to(x32.dtype)).softmax(dim=-1)
+            shared = router_linear(x32, self.shared.weight).softmax(dim=-1)
             if unit:
                 shared = shared * self.shared_heads
         if self.top_k:
-            probs = F.linear(x32, self.routed.weight.to(x32.dtype)).softmax(dim=-1)  # (N, E)
+            probs = router_linear(x32, self.routed.weight).softmax(dim=-1)  # (N, E)
             top_probs, heads = probs.topk(self.top_k, dim=-1)
             routed = self.top_k * top_probs / top_probs.sum(dim=-1, keepdim=True).clamp(min=1e-9) if unit \
                 else top_probs
             l_a, load = load_balancing_loss(probs, heads, keep)  # E sum P f with sum f = 1
             balance = l_a * self.top_k * (1.0 if self.balance_loss == "experts-scaled" else 1.0 / self.routed_heads)
         if self.mix is not None:
-            alphas = F.linear(x32, self.mix.weight.to(x32.dtype)).softmax(dim=-1)  # (N, 2)
+            alphas = router_linear(x32, self.mix.weight).softmax(dim=-1)  # (N, 2)
             alpha_shared = alphas[:, 0]
             if unit:
                 alphas = 2 * alphas
