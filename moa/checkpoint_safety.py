@@ -11,6 +11,8 @@ else (``os.system``, say) is refused by torch with ``Weights only load failed``.
 import argparse
 import os
 import zipfile
+import zlib
+from typing import Optional
 
 import numpy as np
 import torch
@@ -57,48 +59,65 @@ class DamagedCheckpointError(RuntimeError):
     """A checkpoint file that is not a complete torch archive (an interrupted save or copy)."""
 
 
-def is_damaged_checkpoint(path: str) -> bool:
-    """True when the local file ``path`` is not a complete, readable torch zip archive: its central
-    directory (written last) is missing, or a member fails its CRC."""
+def checkpoint_damage(path: str) -> Optional[str]:
+    """Why the local file ``path`` is not a complete torch checkpoint, or None when it is one (or is
+    not a local file, or is in torch's legacy non-zip format, which has no checksums).
+
+    torch's zip format writes its central directory last, so any truncation loses it; each member
+    carries a CRC-32, which ``torch.load`` does not check (a flipped byte loads as a wrong weight),
+    so this reads the whole file once and checks every member.
+    """
     if not os.path.isfile(path):
-        return False
+        return None
     try:
         with zipfile.ZipFile(path) as archive:
-            return archive.testzip() is not None
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
-        return True
+            bad = archive.testzip()
+            return None if bad is None else (f"its member {bad} fails its CRC-32 check: bytes changed after it "
+                                             "was written")
+    except zipfile.BadZipFile:
+        with open(path, "rb") as f:
+            if f.read(1) == b"\x80":  # a pickle: torch's legacy format
+                return None
+        return ("it has no zip central directory, so it ends early: the save or copy that wrote it did not "
+                "finish")
+    except (OSError, EOFError, ValueError, zlib.error) as e:
+        return f"it cannot be read through ({e})"
 
 
-def damaged_checkpoint_message(path: str, error: BaseException) -> str:
-    """What a damaged checkpoint is and what to use instead: the newest complete checkpoint beside it."""
+def damaged_checkpoint_message(path: str, reason: str) -> str:
+    """What is wrong with a damaged checkpoint and what to use instead: the newest complete checkpoint
+    beside it."""
     folder = os.path.dirname(os.path.abspath(path))
     others = sorted((os.path.join(folder, name) for name in os.listdir(folder)
                      if name.endswith(".pt") and os.path.join(folder, name) != os.path.abspath(path)),
                     key=os.path.getmtime, reverse=True)
-    newest = next((other for other in others if not is_damaged_checkpoint(other)), None)
+    newest = next((other for other in others if checkpoint_damage(other) is None), None)
     if newest:
         fix = (f"Start from the newest complete checkpoint beside it instead: fairseq-train ... --restore-file "
                f"{newest} to resume training, --path {newest} to evaluate.")
     else:
         fix = f"{folder} holds no other complete checkpoint: restore the file from a copy, or train again."
-    reason = str(error).split(". ")[0]
-    return f"{path} is truncated or corrupt ({reason}): the save or copy that wrote it did not finish. {fix}"
+    return f"{path} is truncated or corrupt: {reason}. {fix}"
+
+
+def check_checkpoint_file(path: str) -> None:
+    """Raise :class:`DamagedCheckpointError` if ``path`` is a damaged checkpoint file."""
+    reason = checkpoint_damage(path)
+    if reason is not None:
+        raise DamagedCheckpointError(damaged_checkpoint_message(path, reason))
 
 
 def fail_clearly_on_damaged_checkpoints() -> None:
-    """Make fairseq's checkpoint loading (training resume, generate, validate, interactive) report
-    a damaged file by name, with :func:`damaged_checkpoint_message`, instead of torch's zip error."""
+    """Make fairseq's checkpoint loading (training resume, generate, validate, interactive) check the
+    file first (:func:`check_checkpoint_file`), so that a damaged one is refused by name, with the fix,
+    instead of failing in torch's zip reader or, for a corrupt byte, loading wrong weights."""
     from fairseq import checkpoint_utils
 
     load = getattr(checkpoint_utils.load_checkpoint_to_cpu, "fairseq_load", checkpoint_utils.load_checkpoint_to_cpu)
 
     def load_checkpoint_to_cpu(path, *args, **kwargs):
-        try:
-            return load(path, *args, **kwargs)
-        except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
-            if is_damaged_checkpoint(path):
-                raise DamagedCheckpointError(damaged_checkpoint_message(path, error)) from error
-            raise
+        check_checkpoint_file(path)
+        return load(path, *args, **kwargs)
 
     load_checkpoint_to_cpu.fairseq_load = load
     checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu

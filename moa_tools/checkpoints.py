@@ -34,16 +34,17 @@ def load_checkpoint(path: str) -> dict:
     import torch
 
     import moa  # noqa: F401  (registers the checkpoint allow-list)
+    from moa.checkpoint_safety import DamagedCheckpointError, check_checkpoint_file
 
+    try:
+        check_checkpoint_file(path)
+    except DamagedCheckpointError as e:
+        raise ToolError(str(e)) from None
     try:
         state = torch.load(path, map_location="cpu")  # weights_only: the safe loader
     except pickle.UnpicklingError as e:
         raise ToolError(f"{path} cannot be loaded safely: {e}") from e
     except (RuntimeError, EOFError) as e:
-        from moa.checkpoint_safety import damaged_checkpoint_message, is_damaged_checkpoint
-
-        if is_damaged_checkpoint(path):
-            raise ToolError(damaged_checkpoint_message(path, e)) from e
         raise ToolError(f"{path} cannot be read as a checkpoint ({e})") from e
     if not isinstance(state, dict) or "model" not in state:
         raise ToolError(f"{path} is not a fairseq checkpoint: it holds no 'model' state")
