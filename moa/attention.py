@@ -54,6 +54,7 @@ class MixtureOfAttentionHeads(RoutedAttention):
         self_attention: bool = False,
         encoder_decoder_attention: bool = False,
         gate_weights: str = "renormalized",
+        router_init: str = "normal",
     ):
         super().__init__(self_attention, encoder_decoder_attention)
         self.embed_dim = embed_dim
@@ -64,7 +65,7 @@ class MixtureOfAttentionHeads(RoutedAttention):
         self.scaling = head_dim ** -0.5
         self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
 
-        self.router = TopKRouter(embed_dim, num_experts, top_k, gate_weights)
+        self.router = TopKRouter(embed_dim, num_experts, top_k, gate_weights, router_init)
         self.q_experts = ExpertLinear(num_experts, embed_dim, head_dim, bias, expert_dim=1)
         self.k_proj = nn.Linear(kdim or embed_dim, head_dim, bias=bias)
         self.v_proj = nn.Linear(vdim or embed_dim, head_dim, bias=bias)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 GATE_WEIGHTS = ("renormalized", "raw")
+ROUTER_INITS = ("normal", "zeros")
 HEAD_GATE_SCALES = ("softmax", "unit")
 BALANCE_LOSSES = ("paper", "experts-scaled")
 HEAD_ROUTERS = ("learned", "query-norm")
@@ -57,9 +58,12 @@ class Routing:
 class TopKRouter(nn.Module):
     """Routes each of N tokens (N, embed_dim) to ``top_k`` of ``num_experts`` experts."""
 
-    def __init__(self, embed_dim: int, num_experts: int, top_k: int, gate_weights: str = "renormalized"):
+    def __init__(self, embed_dim: int, num_experts: int, top_k: int, gate_weights: str = "renormalized",
+                 init: str = "normal"):
         # logits in float32 at least, see router_dtype
         super().__init__()
+        if init not in ROUTER_INITS:
+            raise ValueError(f"init must be one of {ROUTER_INITS}, got {init!r}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be between 1 and num_experts, got top_k={top_k}, num_experts={num_experts}")
         if gate_weights not in GATE_WEIGHTS:
@@ -67,8 +71,17 @@ class TopKRouter(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.gate_weights = gate_weights
+        self.init = init
         self.weight = nn.Parameter(torch.empty(num_experts, embed_dim))  # W_g, stored like nn.Linear
-        nn.init.normal_(self.weight, std=embed_dim ** -0.5)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: Optional[float] = None) -> None:
+        """``normal``: W_g ~ N(0, std^2), std = d_model^-1/2 unless given; ``zeros``: W_g = 0, so every
+        token starts with uniform routing (and the same k experts), as the authors' released code does."""
+        if self.init == "zeros":
+            nn.init.zeros_(self.weight)
+        else:
+            nn.init.normal_(self.weight, std=self.weight.size(1) ** -0.5 if std is None else std)
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Routing:
         """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding."""

@@ -86,3 +86,30 @@ def test_cross_attention_routing_ignores_target_padding():
     for m in cross:
         assert m.routing.expert_load.sum().item() == real_tokens * m.top_k
         assert m.query_padding_mask is None  # the decoder clears what it set
+
+
+def test_released_code_preset_sets_its_three_choices_and_explicit_flags_win():
+    paper = build_model("moa_small", 40, TINY)
+    released = build_model("moa_small", 40, TINY + ["--moa-released-code"])
+    mixed = build_model("moa_small", 40, TINY + ["--moa-released-code", "--moa-gate-weights", "renormalized"])
+    for model, gates, init, scale in ((paper, "renormalized", "normal", "per-token"),
+                                      (released, "raw", "zeros", "per-batch"),
+                                      (mixed, "renormalized", "zeros", "per-batch")):
+        router = model.encoder.layers[0].self_attn.router
+        assert (router.gate_weights, router.init, model.args.moa_aux_loss_scale) == (gates, init, scale)
+        assert (router.weight.abs().sum() == 0) == (init == "zeros")
+    zero = build_model("moa_roberta_small", 40, ["--encoder-layers", "1", "--moa-router-init", "zeros"])
+    assert zero.encoder.sentence_encoder.layers[0].self_attn.router.weight.abs().sum() == 0  # after BERT's init
+
+
+def test_per_batch_aux_loss_scale_divides_the_aux_weight_by_the_batch_tokens():
+    torch.manual_seed(0)
+    model = build_model("moa_small", 40, TINY + ["--moa-aux-loss-scale", "per-batch"])
+    sample = translation_sample(model.decoder.padding_idx)
+    model(**sample["net_input"])
+    routings = model.pop_routings()
+    base, sample_size, _ = _criterion(model, 0.0, 0.0)(model, sample)
+    loss, _, log = _criterion(model, 0.01, 0.001)(model, sample)
+    aux = sum(0.01 * r.load_balancing_loss + 0.001 * r.router_z_loss for r in routings)
+    torch.testing.assert_close(loss - base, aux)  # added once to the summed loss, as the released code does
+    torch.testing.assert_close(loss / sample_size, base / sample_size + aux / sample_size)

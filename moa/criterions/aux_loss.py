@@ -4,8 +4,9 @@ Total loss per token: ``L_task + sum over MoA modules of (alpha L_a + beta L_z)`
 ``+ moh_beta * mean over MoH modules of L_b`` (MoH, Sec. 3.3: beta = 0.01, averaged over layers as
 the authors' code does). fairseq sums the task loss over the batch and divides the gradient by
 ``sample_size``, so the auxiliary part is added as ``sample_size * (...)``: after the division its
-weights on the per-token loss are exactly alpha, beta and moh_beta (the authors' MoA code adds it
-unscaled, weakening it by the batch's token count).
+weights on the per-token loss are exactly alpha, beta and moh_beta. The authors' MoA code adds its
+part unscaled, weakening it by the batch's token count; a model built with ``--moa-aux-loss-scale
+per-batch`` (or ``--moa-released-code``) gets that.
 
 The model hands its routing decisions over explicitly: ``model.pop_named_routings()``
 (:class:`~moa.models.routed_transformer.RoutedModel`). With ``--log-routing-by-module`` the
@@ -60,7 +61,9 @@ def routing_terms(model, sample_size, cfg, logging_output: dict):
     named = model_routings(model)
     if getattr(cfg, "log_routing_by_module", False):
         log_module_figures(named, sample_size, logging_output)
-    return routing_aux_loss([routing for _, routing in named], sample_size, cfg, logging_output)
+    per_batch = getattr(getattr(model, "args", None), "moa_aux_loss_scale", "per-token") == "per-batch"
+    return routing_aux_loss([routing for _, routing in named], sample_size, cfg, logging_output,
+                            moa_per_batch=per_batch)
 
 
 def log_module_figures(named, sample_size, logging_output: dict) -> None:
@@ -85,9 +88,11 @@ def _load_cv(loads: torch.Tensor) -> torch.Tensor:
     return (loads.std(dim=1, unbiased=False) / loads.mean(dim=1).clamp(min=1e-9)).mean()
 
 
-def routing_aux_loss(routings: List, sample_size, cfg, logging_output: dict):
+def routing_aux_loss(routings: List, sample_size, cfg, logging_output: dict, moa_per_batch: bool = False):
     """``sample_size * (MoA and MoH terms)`` for the routings of one forward; logs their figures
-    (multiplied by ``sample_size``, as fairseq's reduction divides by it) into ``logging_output``."""
+    (multiplied by ``sample_size``, as fairseq's reduction divides by it) into ``logging_output``.
+    ``moa_per_batch`` (``--moa-aux-loss-scale per-batch``, the released code) adds the MoA terms
+    once, unmultiplied, so that their per-token weight is alpha / sample_size."""
     moa = [r for r in routings if isinstance(r, Routing)]
     moh = [r for r in routings if isinstance(r, HeadRouting)]
     if not moa and not moh:
@@ -97,7 +102,8 @@ def routing_aux_loss(routings: List, sample_size, cfg, logging_output: dict):
         l_a = torch.stack([r.load_balancing_loss for r in moa])
         l_z = torch.stack([r.router_z_loss for r in moa])
         terms += [l_a, l_z]
-        weighted.append(cfg.moa_alpha * l_a.sum() + cfg.moa_beta * l_z.sum())
+        moa_term = cfg.moa_alpha * l_a.sum() + cfg.moa_beta * l_z.sum()
+        weighted.append(moa_term / max(sample_size, 1) if moa_per_batch else moa_term)
         logging_output["moa_la"] = l_a.detach().mean() * sample_size
         logging_output["moa_lz"] = l_z.detach().mean() * sample_size
         logging_output["moa_load_cv"] = _load_cv(torch.stack([r.expert_load for r in moa])) * sample_size

@@ -26,8 +26,9 @@ from moa.models.routed_transformer import (RoutedModel, RoutedTransformerEncoder
 def init_moa_bert_params(module):
     """BERT's initialisation (normal, std 0.02) for the MoA parameters ``init_bert_params`` does not know."""
     if isinstance(module, MixtureOfAttentionHeads):
-        for weight in (module.router.weight, module.q_experts.weight, module.o_experts.weight):
+        for weight in (module.q_experts.weight, module.o_experts.weight):
             nn.init.normal_(weight, mean=0.0, std=0.02)
+        module.router.reset_parameters(std=0.02)  # zeros under --moa-router-init zeros
 
 
 class MoARobertaEncoder(RobertaEncoder):

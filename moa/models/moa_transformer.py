@@ -11,7 +11,10 @@ Archs (all d_model 512, FFN 2048, 6+6 layers except ``moa_small``):
 * ``moa_small`` d_model 256, FFN 1024, 3+3 layers, 4K8E64D: for CPUs and tests
 
 ``--moa-experts``, ``--moa-top-k``, ``--moa-head-dim``, ``--moa-gate-weights``,
-``--moa-attention-types`` and ``--moa-attention-bias`` override any arch.
+``--moa-attention-types`` and ``--moa-attention-bias`` override any arch. Where the authors'
+released code departs from the paper (raw gate weights, a zero-initialised router, the auxiliary
+losses added once per batch), ``--moa-gate-weights``, ``--moa-router-init`` and
+``--moa-aux-loss-scale`` choose, and ``--moa-released-code`` takes all three of the code's choices.
 """
 
 from fairseq.models import register_model, register_model_architecture
@@ -20,7 +23,11 @@ from fairseq.models.transformer import TransformerModel, base_architecture
 from moa.attention import MixtureOfAttentionHeads
 from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, parse_attention_types,
                                            routed_layer_config, small_translation_shape)
-from moa.routing import GATE_WEIGHTS
+from moa.routing import GATE_WEIGHTS, ROUTER_INITS
+
+AUX_LOSS_SCALES = ("per-token", "per-batch")
+RELEASED_CODE = {"moa_gate_weights": "raw", "moa_router_init": "zeros", "moa_aux_loss_scale": "per-batch"}
+PAPER = {"moa_gate_weights": "renormalized", "moa_router_init": "normal", "moa_aux_loss_scale": "per-token"}
 
 
 def add_moa_args(parser):
@@ -31,6 +38,18 @@ def add_moa_args(parser):
     parser.add_argument("--moa-gate-weights", choices=GATE_WEIGHTS,
                         help="renormalized: p / detach(sum of the selected p), as in the paper (default); "
                              "raw: the softmax probabilities, as in the authors' released code")
+    parser.add_argument("--moa-router-init", choices=ROUTER_INITS,
+                        help="normal: W_g ~ N(0, 1/d_model) (default); zeros: W_g = 0, every token starts with "
+                             "uniform routing, as in the authors' released code")
+    parser.add_argument("--moa-aux-loss-scale", choices=AUX_LOSS_SCALES,
+                        help="per-token: --moa-alpha/--moa-beta weigh L_a/L_z against the per-token task loss, "
+                             "as the paper writes the objective (default); per-batch: alpha L_a + beta L_z is added "
+                             "once to the batch's summed loss, as the released code does, which after fairseq's "
+                             "division by the token count weighs it 1/tokens-per-batch as much")
+    parser.add_argument("--moa-released-code", action="store_true",
+                        help="all of the released code's choices where it departs from the paper: "
+                             "--moa-gate-weights raw --moa-router-init zeros --moa-aux-loss-scale per-batch "
+                             "(flags given explicitly win)")
     parser.add_argument("--moa-attention-types", type=str, metavar="LIST",
                         help="comma-separated attention types that use MoA, of " + ",".join(ATTENTION_TYPES)
                              + " (default: all); the others are fairseq multi-head attention")
@@ -68,6 +87,7 @@ def build_moa_attention(cfg, embed_dim, kind, kdim=None):
         self_attention=kind != "decoder-cross",
         encoder_decoder_attention=kind == "decoder-cross",
         gate_weights=cfg.moa_gate_weights,
+        router_init=cfg.moa_router_init,
     )
 
 
@@ -94,7 +114,10 @@ def set_moa_defaults(args, experts, top_k, head_dim):
     args.moa_experts = getattr(args, "moa_experts", experts)
     args.moa_top_k = getattr(args, "moa_top_k", top_k)
     args.moa_head_dim = getattr(args, "moa_head_dim", head_dim)
-    args.moa_gate_weights = getattr(args, "moa_gate_weights", "renormalized")
+    preset = RELEASED_CODE if getattr(args, "moa_released_code", False) else PAPER
+    for name, value in preset.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     args.moa_attention_types = getattr(args, "moa_attention_types", ",".join(ATTENTION_TYPES))
     args.moa_attention_bias = getattr(args, "moa_attention_bias", False)
 
