@@ -29,7 +29,11 @@ The models (--models):
   (75% of the heads active per token) in all three attention types, with the paper's gates
   (``--moh-gate-scale softmax``, moh's default); ``moh-unit`` is the same with the released code's
   scaling (``unit``), not in the default set;
-* ``transformer``: fairseq's ``transformer`` with 4 heads of 64.
+* ``transformer``: fairseq's ``transformer`` with 4 heads of 64;
+* the released code's choices, each alone and together, not in the default set: ``moa-zero-router``
+  (``--moa-router-init zeros``), ``moa-aux-per-batch`` (``--moa-aux-loss-scale per-batch``),
+  ``moa-raw-gates`` (``--moa-gate-weights raw``), ``moa-released`` (``--moa-released-code``), and
+  ``moa-self-zero-router``.
 
 ``--moa-config kKeEdD`` gives both MoA models other experts: 4K4E128D has the proportions of the
 paper's MoA Base against Transformer base (k = the Transformer's head count, D = twice its head width).
@@ -87,6 +91,13 @@ def models(moa_config=DEFAULT_MOA):
         "moa": (f"MoA {moa_config} (moa_small)", moa_args),
         "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)",
                      moa_args + ["--moa-attention-types", "encoder-self,decoder-self"]),
+        "moa-zero-router": (f"MoA {moa_config}, zero-initialised router", moa_args + ["--moa-router-init", "zeros"]),
+        "moa-aux-per-batch": (f"MoA {moa_config}, aux loss per batch", moa_args + ["--moa-aux-loss-scale", "per-batch"]),
+        "moa-raw-gates": (f"MoA {moa_config}, raw gate weights", moa_args + ["--moa-gate-weights", "raw"]),
+        "moa-released": (f"MoA {moa_config}, the released code's choices", moa_args + ["--moa-released-code"]),
+        "moa-self-zero-router": (f"MoA {moa_config} self-attn, MHA cross, zero-initialised router",
+                                 moa_args + ["--moa-attention-types", "encoder-self,decoder-self",
+                                             "--moa-router-init", "zeros"]),
         "moh": ("MoH 2+1of2, paper gates (moh_small)", MOH + ["--moh-gate-scale", "softmax"]),
         "moh-unit": ("MoH 2+1of2, unit gates (moh_small)", MOH + ["--moh-gate-scale", "unit"]),
         "transformer": ("Transformer 4x64 (transformer)", ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]),
@@ -164,6 +175,8 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
     wps = [float(x) for line in log.splitlines() if "| train |" in line for x in re.findall(r"\| wps ([\d.]+)", line)]
     updates = [int(x) for x in re.findall(r"\| num_updates (\d+)", log)]
     valid = [float(x) for line in log.splitlines() if "| valid |" in line for x in re.findall(r"\| loss ([\d.]+)", line)]
+    valid_nll = [float(x) for line in log.splitlines() if "| valid |" in line
+                 for x in re.findall(r"\| nll_loss ([\d.]+)", line)]
     params = int(re.search(r"num\. shared model params: ([\d,]+)", log).group(1).replace(",", ""))
 
     checkpoint = os.path.join(save, "checkpoint_best.pt")
@@ -172,7 +185,8 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
             "macs_per_target_token": macs_per_target_token(checkpoint, data_dir, src, tgt),
             "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
             "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
-            "best_valid_loss": min(valid) if valid else float("nan"), **scores}
+            "best_valid_loss": min(valid) if valid else float("nan"),
+            "best_valid_nll": min(valid_nll) if valid_nll else float("nan"), **scores}
 
 
 def translate_and_score(checkpoint, data_dir, tgt, generate_log):
@@ -198,12 +212,12 @@ def markdown(rows, budget_text):
              "Differences are to the Transformer of the same pair, seed and date: an equal-time budget buys as many "
              "updates as the machine's speed that day allows.", "",
              "| pair | seed | date | model | parameters | MACs/token | train words/s | train s | updates | valid loss | "
-             "sacreBLEU | tok. BLEU |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "valid NLL | sacreBLEU | tok. BLEU |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['pair']} | {r['seed']} | {r['date']} | {r['model']} | {r['parameters']:,} | "
                      f"{r['macs_per_target_token'] / 1e6:.2f}M | "
                      f"{r['train_words_per_s']:.0f} | {r['train_wall_s']:.0f} | {r['updates']} | {r['best_valid_loss']:.3f} | "
-                     f"{r['sacrebleu']:.2f} | {r['tokenized_bleu']:.2f} |")
+                     f"{r.get('best_valid_nll', float('nan')):.3f} | {r['sacrebleu']:.2f} | {r['tokenized_bleu']:.2f} |")
     lines += ["", "| pair | seed | date | model | BLEU difference to the Transformer | words/s ratio | MACs ratio | "
               "parameters ratio |", "|---|---|---|---|---|---|---|---|"]
     differences = {}  # (pair, model) -> one sacreBLEU difference per seed
