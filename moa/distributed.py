@@ -1,7 +1,8 @@
 """fairseq's data-parallel training on CPU processes (gloo), launched by torchrun.
 
 fairseq launches CPU ranks in no supported way: its own spawning starts one process per CUDA
-device (none on a CPU machine, so ``--distributed-world-size 2 --cpu`` trains nothing); under
+device (none on a CPU machine, so ``--distributed-world-size 2 --cpu`` trains nothing and exits 0;
+that is now an error that gives the torchrun command); under
 torchrun it ignores the launch unless ``--distributed-world-size`` is given (its default is the
 CUDA device count, so each CPU process trains alone, all writing to one save dir), and then
 divides the rank by the CUDA device count (``ZeroDivisionError``); and its ``c10d`` backend hands
@@ -47,6 +48,15 @@ def infer_init_method(cfg, force_distributed=False):
             cfg.device_id = 0
             cfg.distributed_no_spawn = True
             return
+    spawning = (cfg.distributed_init_method is None and cfg.distributed_world_size > 1 and not cfg.distributed_no_spawn
+                and not torch.cuda.device_count() and not getattr(cfg, "tpu", False)
+                and "SLURM_JOB_NODELIST" not in os.environ)
+    if spawning:  # fairseq would spawn one process per CUDA device, none here, and train nothing
+        n = cfg.distributed_world_size
+        raise ValueError(f"--distributed-world-size {n} on a machine without CUDA devices: fairseq spawns one "
+                         f"process per GPU, so it would train nothing. On CPU, launch one process per rank with "
+                         f"torchrun: torchrun --standalone --nproc-per-node {n} $(which fairseq-train) ... --cpu "
+                         f"--distributed-backend gloo (and leave out --distributed-world-size)")
     return _fairseq_infer_init_method(cfg, force_distributed)
 
 

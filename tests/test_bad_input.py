@@ -34,6 +34,8 @@ BAD_INPUTS = [
      "--moh-shared-heads 2 --moh-top-k 3 do not fit the 4 heads"),
     ("moa flag on a non-moa arch", [*TRAIN, "--arch", "transformer", "--moa-experts", "8"],
      "unrecognized arguments: --moa-experts 8"),
+    ("data parallelism on CPU without torchrun", [*TRAIN, *MOA, "--distributed-world-size", "2"],
+     "launch one process per rank with torchrun"),
     ("resume from another arch's checkpoint", [*TRAIN, *MOA, "--restore-file", "{moh_ckpt}"],
      "please ensure that the architectures match"),
     ("checkpoint of another dictionary size", [*GENERATE[:1], "{other_data}", *GENERATE[2:], "--path", "{ckpt}"],
