@@ -3,15 +3,12 @@
 Importing the package registers the ``moa_transformer``, ``moa_roberta``, ``moh_transformer`` and
 ``moh_roberta`` models and their archs, the ``moa_label_smoothed_cross_entropy`` and ``moa_masked_lm`` criterions, and the
 allow-list that torch's safe checkpoint loader needs for fairseq checkpoints (and a clear error for a
-truncated one), and makes fairseq's
-data-parallel training run on CPU processes under torchrun (:mod:`moa.distributed`). The data
-preparation and scoring tools are the separate ``moa_tools`` package.
+damaged one), and makes fairseq's data-parallel training run on CPU processes under torchrun
+(:mod:`moa.distributed`). The data preparation and scoring tools are the separate ``moa_tools`` package.
 """
 
-from moa.checkpoint_safety import allow_fairseq_checkpoint_globals
-
-from moa.checkpoint_safety import fail_clearly_on_damaged_checkpoints  # noqa: E402
-from moa.distributed import enable_cpu_data_parallel  # noqa: E402
+from moa.checkpoint_safety import allow_fairseq_checkpoint_globals, fail_clearly_on_damaged_checkpoints
+from moa.distributed import enable_cpu_data_parallel
 
 allow_fairseq_checkpoint_globals()
 fail_clearly_on_damaged_checkpoints()

@@ -8,7 +8,7 @@ CUDA device count, so each CPU process trains alone, all writing to one save dir
 divides the rank by the CUDA device count (``ZeroDivisionError``); and its ``c10d`` backend hands
 torch's ``DistributedDataParallel`` ``device_ids=[device_id]``, which torch refuses for a CPU
 module. :func:`enable_cpu_data_parallel` (run when the plugin is imported, before fairseq reads the
-launch environment) fixes the three:
+launch environment) fixes them:
 
 * under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the world size is
   torchrun's, as fairseq itself does on GPUs; without CUDA each process is rank ``RANK`` on device 0;

@@ -131,9 +131,6 @@ def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         scale = None if scale is None else scale.to(dtype)
-        with torch.autocast(device, enabled=False):
-            return _ExpertLinear.apply(x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation,
-                                       expert_dim)
     return _ExpertLinear.apply(x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation,
                                expert_dim)
 
