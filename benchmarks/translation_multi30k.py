@@ -20,7 +20,8 @@ steeply; see benchmarks/README.md.)
 The models (--models):
 
 * ``moa``: ``moa_small``, 4K8E64D (4 of 8 experts of width 64, one shared key/value head) in all
-  three attention types, as in the paper;
+  three attention types, as in the paper, with the arch's defaults (since 2026-12-01 the
+  zero-initialised router; the rows of earlier result files had the normal draw);
 * ``moa-self``: the same MoA in encoder and decoder self-attention, with fairseq's 4x64 multi-head
   attention for encoder-decoder attention (``--moa-attention-types encoder-self,decoder-self``);
   through a single shared 64-wide value head the decoder reads the source more slowly early in
@@ -31,7 +32,8 @@ The models (--models):
   scaling (``unit``), not in the default set;
 * ``transformer``: fairseq's ``transformer`` with 4 heads of 64;
 * the released code's choices, each alone and together, not in the default set: ``moa-zero-router``
-  (``--moa-router-init zeros``), ``moa-aux-per-batch`` (``--moa-aux-loss-scale per-batch``),
+  (``--moa-router-init zeros``; ``moa-normal-router`` is the normal draw that was the default before
+  2026-12-01), ``moa-aux-per-batch`` (``--moa-aux-loss-scale per-batch``),
   ``moa-raw-gates`` (``--moa-gate-weights raw``), ``moa-released`` (``--moa-released-code``), and
   ``moa-self-zero-router``.
 
@@ -92,6 +94,7 @@ def models(moa_config=DEFAULT_MOA):
         "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)",
                      moa_args + ["--moa-attention-types", "encoder-self,decoder-self"]),
         "moa-zero-router": (f"MoA {moa_config}, zero-initialised router", moa_args + ["--moa-router-init", "zeros"]),
+        "moa-normal-router": (f"MoA {moa_config}, normal-initialised router", moa_args + ["--moa-router-init", "normal"]),
         "moa-aux-per-batch": (f"MoA {moa_config}, aux loss per batch", moa_args + ["--moa-aux-loss-scale", "per-batch"]),
         "moa-raw-gates": (f"MoA {moa_config}, raw gate weights", moa_args + ["--moa-gate-weights", "raw"]),
         "moa-released": (f"MoA {moa_config}, the released code's choices", moa_args + ["--moa-released-code"]),
@@ -186,7 +189,15 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
             "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
             "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
             "best_valid_loss": min(valid) if valid else float("nan"),
-            "best_valid_nll": min(valid_nll) if valid_nll else float("nan"), **scores}
+            "best_valid_nll": min(valid_nll) if valid_nll else float("nan"),
+            "valid_nll_by_updates": valid_nll_by_updates(log), **scores}
+
+
+def valid_nll_by_updates(log):
+    """{updates: validation NLL (bits)} at every validation of a fairseq-train log: at each epoch's end,
+    so models of one seed share the points (255, 510, ... updates) that equal-update comparisons need."""
+    return {int(u): float(n) for line in log.splitlines() if "| valid |" in line
+            for n, u in re.findall(r"\| nll_loss ([\d.]+) \|.*\| num_updates (\d+)", line)}
 
 
 def translate_and_score(checkpoint, data_dir, tgt, generate_log):
@@ -218,6 +229,20 @@ def markdown(rows, budget_text):
                      f"{r['macs_per_target_token'] / 1e6:.2f}M | "
                      f"{r['train_words_per_s']:.0f} | {r['train_wall_s']:.0f} | {r['updates']} | {r['best_valid_loss']:.3f} | "
                      f"{r.get('best_valid_nll', float('nan')):.3f} | {r['sacrebleu']:.2f} | {r['tokenized_bleu']:.2f} |")
+    curves = [(r, {int(u): n for u, n in r.get("valid_nll_by_updates", {}).items()}) for r in rows]
+    counts = {}
+    for _, curve in curves:
+        for u in curve:
+            counts[u] = counts.get(u, 0) + 1
+    # the epoch ends, which most models reach; the validation at the time limit is at each model's own count
+    points = sorted(u for u, n in counts.items() if n > len(rows) / 2)
+    if points:
+        lines += ["", "Validation NLL (bits) at equal updates, from the same runs (the schedule does not depend on "
+                  "the budget):", "", "| pair | seed | model | " + " | ".join(f"{u} updates" for u in points) + " |",
+                  "|---|---|---|" + "---|" * len(points)]
+        for r, curve in curves:
+            cells = [f"{curve[u]:.3f}" if u in curve else "-" for u in points]
+            lines.append(f"| {r['pair']} | {r['seed']} | {r['model']} | " + " | ".join(cells) + " |")
     lines += ["", "| pair | seed | date | model | BLEU difference to the Transformer | words/s ratio | MACs ratio | "
               "parameters ratio |", "|---|---|---|---|---|---|---|---|"]
     differences = {}  # (pair, model) -> one sacreBLEU difference per seed
