@@ -1,15 +1,29 @@
 """Masked LM on WikiText-2 text: small MoA and MoH RoBERTas against a same-shape Transformer RoBERTa.
 
     .venv/bin/python benchmarks/mlm_wikitext2.py [--updates 600] [--workdir DIR]
+    .venv/bin/python benchmarks/mlm_wikitext2.py --models moa-zero-router --moa-config 4K32E64D --seeds 1 2
+    .venv/bin/python benchmarks/mlm_wikitext2.py --minutes 6 ...   # equal training time instead
 
 Uses wikitext-2/wiki.valid.tokens of the shared data folder (the only WikiText split kept on
 this machine): the first 90% of its lines train, the next 5% validate, the last
 5% test. The text goes through examples/mlm/prepare-wikitext-103.sh (offline, via
---mirror, 8,000 sentencepiece pieces), then the three models train with the same
-shape (d_model 256, FFN 1024, 4 layers; MoA 4K8E64D, MoH with 2 shared + top-1 of 2 of the
-4 heads of 64, and 4 heads of 64), batch,
-learning-rate schedule and number of updates, and are scored by moa-eval-ppl on
-the held-out test lines. Writes benchmarks/results/mlm-wikitext2.{json,md}.
+--mirror, 8,000 sentencepiece pieces), then the models train with the same
+shape (d_model 256, FFN 1024, 4 layers), batch, learning-rate schedule (polynomial decay over
+--updates, a tenth of them warmup) and budget, and are scored by moa-eval-ppl on the held-out
+lines. The budget is the same number of updates (--updates, default 600), or the same training
+wall time (--minutes; fairseq's --stop-time-hours, the schedule still that of --updates, so a
+faster model gets further along it). The models (--models):
+
+* ``moa``: ``moa_roberta_small``, MoA 4K8E64D (or --moa-config kKeEdD: top-k of e experts of
+  width d), the arch's defaults; ``moa-zero-router``: the same with --moa-router-init zeros,
+  ``moa-normal-router``: with --moa-router-init normal;
+* ``moh``: ``moh_roberta_small``, 2 shared + top-1 of 2 of the 4 heads of 64;
+* ``transformer``: fairseq's ``roberta`` with 4 heads of 64.
+
+Every model trains once per seed (--seeds, fairseq's --seed). The rows go to --out (default
+benchmarks/results/mlm-wikitext2.{json,md}); rows already there for other models, seeds or
+budgets stay, so runs made one at a time build one table. The tables give each row and, per
+model, the mean and spread over its seeds.
 """
 
 import argparse
@@ -18,6 +32,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import sys
 import time
 import zipfile
@@ -28,9 +43,25 @@ from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 SOURCE = shared_data("wikitext-2", "wiki.valid.tokens")
 SHAPE = ["--encoder-layers", "4", "--encoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
          "--encoder-attention-heads", "4"]
-MODELS = {"MoA 4K8E64D (moa_roberta_small)": ["--arch", "moa_roberta_small", "--criterion", "moa_masked_lm"],
-          "MoH 2+1of2, 75% active (moh_roberta_small)": ["--arch", "moh_roberta_small", "--criterion", "moa_masked_lm"],
-          "Transformer 4x64 (roberta)": ["--arch", "roberta", "--criterion", "masked_lm"]}
+DEFAULT_MOA = "4K8E64D"
+
+
+def models(moa_config=DEFAULT_MOA):
+    """--models key -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD)."""
+    shape = re.fullmatch(r"(\d+)K(\d+)E(\d+)D", moa_config)
+    if not shape or int(shape.group(1)) > int(shape.group(2)):
+        raise ValueError(f"--moa-config {moa_config!r}: expected kKeEdD with k <= e, such as 4K8E64D")
+    k, e, d = shape.groups()
+    moa = ["--arch", "moa_roberta_small", "--criterion", "moa_masked_lm",
+           "--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d]
+    return {"moa": (f"MoA {moa_config} (moa_roberta_small)", moa),
+            "moa-zero-router": (f"MoA {moa_config}, zero-initialised router", moa + ["--moa-router-init", "zeros"]),
+            "moa-normal-router": (f"MoA {moa_config}, normal-initialised router", moa + ["--moa-router-init", "normal"]),
+            "moh": ("MoH 2+1of2, 75% active (moh_roberta_small)", ["--arch", "moh_roberta_small", "--criterion", "moa_masked_lm"]),
+            "transformer": ("Transformer 4x64 (roberta)", ["--arch", "roberta", "--criterion", "masked_lm"])}
+
+
+DEFAULT_MODELS = ["moa", "moh", "transformer"]
 
 
 def prepare(work):
@@ -47,7 +78,7 @@ def prepare(work):
     return os.path.join(work, "wt2", "data-bin")
 
 
-def train(data_bin, model_args, save, updates, extra=()):
+def train(data_bin, model_args, save, updates, extra=(), seed=1):
     """fairseq-train on the benchmark's batches and schedule (warmup a tenth of ``updates``) into a
     fresh ``save`` folder (fairseq would resume a checkpoint left there); its log."""
     shutil.rmtree(save, ignore_errors=True)
@@ -58,7 +89,7 @@ def train(data_bin, model_args, save, updates, extra=()):
                        "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler", "polynomial_decay",
                        "--warmup-updates", str(updates // 10), "--total-num-update", str(updates),
                        "--max-update", str(updates), "--dropout", "0.1", "--attention-dropout", "0.1",
-                       "--save-dir", save, "--no-epoch-checkpoints", "--cpu", "--num-workers", "0", "--seed", "1",
+                       "--save-dir", save, "--no-epoch-checkpoints", "--cpu", "--num-workers", "0", "--seed", str(seed),
                        "--log-format", "simple", "--log-interval", "50", "--skip-invalid-size-inputs-valid-test",
                        *extra], os.path.join(save, "train.log"))
 
@@ -73,50 +104,89 @@ def perplexities(checkpoint, data_bin) -> dict:
 def _main(argv):
     parser = argparse.ArgumentParser(prog="mlm_wikitext2.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--updates", type=int, default=600)
+    parser.add_argument("--updates", type=int, default=600,
+                        help="updates per model, and the length of the learning-rate schedule (default 600)")
+    parser.add_argument("--minutes", type=float,
+                        help="equal training wall time per model instead (the schedule stays that of --updates)")
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(models()),
+                        help=f"which models to train (default: {' '.join(DEFAULT_MODELS)})")
+    parser.add_argument("--moa-config", default=DEFAULT_MOA, metavar="kKeEdD",
+                        help="experts of the MoA models (default 4K8E64D, moa_roberta_small's)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="fairseq's --seed, one run each (default: 1)")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-mlm"))
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), metavar="MODEL", default=list(MODELS),
-                        help="train only these (names as in MODELS); their rows replace the same models' rows of "
-                             "the results file, the other rows stay, each with its date")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "mlm-wikitext2"),
+                        help="output prefix for .json and .md; the rows already there for other models, seeds or "
+                             "budgets are kept")
     args = parser.parse_args(argv)
+    try:
+        chosen = models(args.moa_config)
+    except ValueError as error:
+        parser.error(str(error))
     if not os.path.exists(SOURCE):
         raise ToolError(f"{SOURCE} is missing: this benchmark reads the shared WikiText-2 file "
                         "(set MOA_SHARED_DATA to the folder that holds wikitext-2/)")
+    budget = (f"equal training time, {args.minutes:g} min per model, schedule of {args.updates} updates"
+              if args.minutes else f"equal updates, {args.updates} per model")
+    extra = ["--stop-time-hours", str(args.minutes / 60)] if args.minutes else []
     data_bin = prepare(args.workdir)
     rows = []
-    for name in args.models:
-        model_args = MODELS[name]
-        save = os.path.join(args.workdir, re.sub(r"\W+", "-", name))
-        started = time.time()
-        log = train(data_bin, [*model_args, *SHAPE], save, args.updates)
-        wall = time.time() - started
-        train_lines = [line for line in log.splitlines() if "| train |" in line]
-        wps = [float(x) for line in train_lines for x in re.findall(r"\| wps ([\d.]+)", line)]
-        ppl = perplexities(os.path.join(save, "checkpoint_last.pt"), data_bin)
-        params = re.search(r"num\. shared model params: ([\d,]+)", log)
-        row = {"model": name, "date": time.strftime("%Y-%m-%d"), "parameters": int(params.group(1).replace(",", "")) if params else None,
-               "updates": args.updates, "train_wall_s": wall,
-               "train_words_per_s": sum(wps) / len(wps) if wps else math.nan,
-               "valid_ppl": ppl.get("valid"), "test_ppl": ppl.get("test")}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    out = os.path.join(RESULTS, "mlm-wikitext2")
-    if os.path.exists(out + ".json"):  # keep the rows of the models not trained now
+    for seed in args.seeds:
+        for label, model_args in (chosen[key] for key in args.models):
+            save = os.path.join(args.workdir, re.sub(r"\W+", "-", label).strip("-") + f"-seed{seed}")
+            started = time.time()
+            log = train(data_bin, [*model_args, *SHAPE], save, args.updates, extra, seed)
+            wall = time.time() - started
+            train_lines = [line for line in log.splitlines() if "| train |" in line]
+            wps = [float(x) for line in train_lines for x in re.findall(r"\| wps ([\d.]+)", line)]
+            updates = [int(x) for line in train_lines for x in re.findall(r"\| num_updates (\d+)", line)]
+            ppl = perplexities(os.path.join(save, "checkpoint_last.pt"), data_bin)
+            params = re.search(r"num\. shared model params: ([\d,]+)", log)
+            row = {"model": label, "seed": seed, "budget": budget, "date": time.strftime("%Y-%m-%d"),
+                   "parameters": int(params.group(1).replace(",", "")) if params else None,
+                   "updates": updates[-1] if updates else None, "train_wall_s": wall,
+                   "train_words_per_s": sum(wps) / len(wps) if wps else math.nan,
+                   "valid_ppl": ppl.get("valid"), "test_ppl": ppl.get("test")}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    write_report(rows, args.out)
+
+
+def write_report(rows, out):
+    """Add ``rows`` to the rows of ``out``.json (replacing those of the same model, seed and budget);
+    write both files."""
+    if os.path.exists(out + ".json"):
         with open(out + ".json", encoding="utf-8") as f:
-            kept = [r for r in json.load(f) if r["model"] not in args.models and r.get("updates") == args.updates]
-        rows = sorted(kept + rows, key=lambda r: list(MODELS).index(r["model"]) if r["model"] in MODELS else 99)
-    lines = [f"MLM on WikiText-2 text, {os.cpu_count()} CPUs, {args.updates} updates of 16 x 256-token samples each, "
-             "masked-token perplexity exp(NLL) on held-out lines.", "",
-             "| model | date | parameters | train words/s | wall s | valid ppl | test ppl |", "|---|---|---|---|---|---|---|"]
+            kept = json.load(f)
+        for row in kept:  # rows written before seeds and budgets were recorded: seed 1, 600 updates
+            row.setdefault("seed", 1)
+            row.setdefault("budget", f"equal updates, {row['updates']} per model")
+        new = {(r["model"], r["seed"], r["budget"]) for r in rows}
+        rows = [r for r in kept if (r["model"], r["seed"], r["budget"]) not in new] + rows
+    rows.sort(key=lambda r: (r["budget"], r["model"], r["seed"]))
+    lines = [f"MLM on WikiText-2 text, {os.cpu_count()} CPUs, batches of 16 x 256-token samples, masked-token "
+             "perplexity exp(NLL) on held-out lines; validation NLL in bits (log2 of the perplexity).", "",
+             "| budget | model | seed | date | parameters | updates | train words/s | wall s | valid ppl | valid NLL | "
+             "test ppl |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['date']} | {r['parameters']:,} | {r['train_words_per_s']:.0f} | "
-                     f"{r['train_wall_s']:.0f} | {r['valid_ppl']:.2f} | {r['test_ppl']:.2f} |")
+        lines.append(f"| {r['budget']} | {r['model']} | {r['seed']} | {r['date']} | {r['parameters']:,} | {r['updates']} | "
+                     f"{r['train_words_per_s']:.0f} | {r['train_wall_s']:.0f} | {r['valid_ppl']:.2f} | "
+                     f"{math.log2(r['valid_ppl']):.3f} | {r['test_ppl']:.2f} |")
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["budget"], r["model"]), []).append(r)
+    lines += ["", "| budget | model | seeds | mean valid NLL | spread (max - min) | mean test ppl | mean updates |",
+              "|---|---|---|---|---|---|---|"]
+    for (budget, model), group in groups.items():
+        nll = [math.log2(r["valid_ppl"]) for r in group]
+        lines.append(f"| {budget} | {model} | {', '.join(str(r['seed']) for r in group)} | {statistics.mean(nll):.3f} | "
+                     f"{max(nll) - min(nll):.3f} | {statistics.mean(r['test_ppl'] for r in group):.2f} | "
+                     f"{statistics.mean(r['updates'] for r in group):.0f} |")
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".json", "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
-    with open(out + ".md", "w") as f:
+    with open(out + ".md", "w", encoding="utf-8") as f:
         f.write(text + "\n")
 
 
