@@ -64,10 +64,13 @@ def translation_sample(pad, batch=3, src_len=6, tgt_len=5):
             "target": target, "ntokens": int(target.ne(pad).sum()), "nsentences": batch}
 
 
-TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
-        "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8",
-        "--dropout", "0", "--attention-dropout", "0", "--encoder-attention-heads", "2",
-        "--decoder-attention-heads", "2"]
+TINY_SHAPE = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
+              "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8",
+              "--dropout", "0", "--attention-dropout", "0", "--encoder-attention-heads", "2",
+              "--decoder-attention-heads", "2"]
+# A drawn router, not the default zero one: at initialisation every token then routes differently,
+# so the tests of untrained models see real routing instead of every token taking the same experts.
+TINY = TINY_SHAPE + ["--moa-router-init", "normal"]
 TINY_MOH = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
             "--encoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
             "--dropout", "0", "--attention-dropout", "0"]

@@ -5,7 +5,7 @@ import torch
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from conftest import TINY, build_model, translation_sample
+from conftest import TINY, TINY_SHAPE, build_model, translation_sample
 from moa.attention import MixtureOfAttentionHeads
 
 
@@ -88,18 +88,22 @@ def test_cross_attention_routing_ignores_target_padding():
         assert m.query_padding_mask is None  # the decoder clears what it set
 
 
-def test_released_code_preset_sets_its_three_choices_and_explicit_flags_win():
-    paper = build_model("moa_small", 40, TINY)
-    released = build_model("moa_small", 40, TINY + ["--moa-released-code"])
-    mixed = build_model("moa_small", 40, TINY + ["--moa-released-code", "--moa-gate-weights", "renormalized"])
-    for model, gates, init, scale in ((paper, "renormalized", "normal", "per-token"),
+def test_defaults_and_the_released_code_preset_and_explicit_flags_win():
+    default = build_model("moa_small", 40, TINY_SHAPE)  # the paper's gates and scale, the released code's zero router
+    normal = build_model("moa_small", 40, TINY_SHAPE + ["--moa-router-init", "normal"])
+    released = build_model("moa_small", 40, TINY_SHAPE + ["--moa-released-code"])
+    mixed = build_model("moa_small", 40, TINY_SHAPE + ["--moa-released-code", "--moa-gate-weights", "renormalized"])
+    for model, gates, init, scale in ((default, "renormalized", "zeros", "per-token"),
+                                      (normal, "renormalized", "normal", "per-token"),
                                       (released, "raw", "zeros", "per-batch"),
                                       (mixed, "renormalized", "zeros", "per-batch")):
         router = model.encoder.layers[0].self_attn.router
         assert (router.gate_weights, router.init, model.args.moa_aux_loss_scale) == (gates, init, scale)
         assert (router.weight.abs().sum() == 0) == (init == "zeros")
-    zero = build_model("moa_roberta_small", 40, ["--encoder-layers", "1", "--moa-router-init", "zeros"])
+    zero = build_model("moa_roberta_small", 40, ["--encoder-layers", "1"])
     assert zero.encoder.sentence_encoder.layers[0].self_attn.router.weight.abs().sum() == 0  # after BERT's init
+    drawn = build_model("moa_roberta_small", 40, ["--encoder-layers", "1", "--moa-router-init", "normal"])
+    assert drawn.encoder.sentence_encoder.layers[0].self_attn.router.weight.std().item() == pytest.approx(0.02, rel=0.2)
 
 
 def test_per_batch_aux_loss_scale_divides_the_aux_weight_by_the_batch_tokens():

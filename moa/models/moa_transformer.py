@@ -12,9 +12,11 @@ Archs (all d_model 512, FFN 2048, 6+6 layers except ``moa_small``):
 
 ``--moa-experts``, ``--moa-top-k``, ``--moa-head-dim``, ``--moa-gate-weights``,
 ``--moa-attention-types`` and ``--moa-attention-bias`` override any arch. Where the authors'
-released code departs from the paper (raw gate weights, a zero-initialised router, the auxiliary
-losses added once per batch), ``--moa-gate-weights``, ``--moa-router-init`` and
-``--moa-aux-loss-scale`` choose, and ``--moa-released-code`` takes all three of the code's choices.
+released code departs from the paper (raw gate weights, the auxiliary losses added once per batch)
+or fills in what the paper leaves open (a zero-initialised router), ``--moa-gate-weights``,
+``--moa-aux-loss-scale`` and ``--moa-router-init`` choose, and ``--moa-released-code`` takes all three
+of the code's choices. The defaults are the paper's gates and loss scale with the code's zero router,
+which measured best on Multi30k (benchmarks/README.md, "Why MoA trails").
 """
 
 from fairseq.models import register_model, register_model_architecture
@@ -27,7 +29,7 @@ from moa.routing import GATE_WEIGHTS, ROUTER_INITS
 
 AUX_LOSS_SCALES = ("per-token", "per-batch")
 RELEASED_CODE = {"moa_gate_weights": "raw", "moa_router_init": "zeros", "moa_aux_loss_scale": "per-batch"}
-PAPER = {"moa_gate_weights": "renormalized", "moa_router_init": "normal", "moa_aux_loss_scale": "per-token"}
+DEFAULTS = {"moa_gate_weights": "renormalized", "moa_router_init": "zeros", "moa_aux_loss_scale": "per-token"}
 
 
 def add_moa_args(parser):
@@ -39,8 +41,9 @@ def add_moa_args(parser):
                         help="renormalized: p / detach(sum of the selected p), as in the paper (default); "
                              "raw: the softmax probabilities, as in the authors' released code")
     parser.add_argument("--moa-router-init", choices=ROUTER_INITS,
-                        help="normal: W_g ~ N(0, 1/d_model) (default); zeros: W_g = 0, every token starts with "
-                             "uniform routing, as in the authors' released code")
+                        help="zeros: W_g = 0, every token starts with uniform routing, as in the authors' "
+                             "released code (default: the paper names no initialisation, and zeros measured best); "
+                             "normal: W_g ~ N(0, 1/d_model)")
     parser.add_argument("--moa-aux-loss-scale", choices=AUX_LOSS_SCALES,
                         help="per-token: --moa-alpha/--moa-beta weigh L_a/L_z against the per-token task loss, "
                              "as the paper writes the objective (default); per-batch: alpha L_a + beta L_z is added "
@@ -114,7 +117,7 @@ def set_moa_defaults(args, experts, top_k, head_dim):
     args.moa_experts = getattr(args, "moa_experts", experts)
     args.moa_top_k = getattr(args, "moa_top_k", top_k)
     args.moa_head_dim = getattr(args, "moa_head_dim", head_dim)
-    preset = RELEASED_CODE if getattr(args, "moa_released_code", False) else PAPER
+    preset = RELEASED_CODE if getattr(args, "moa_released_code", False) else DEFAULTS
     for name, value in preset.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
