@@ -151,6 +151,11 @@ def _main(argv):
     write_report(rows, args.out)
 
 
+def natural_order(text):
+    """A sort key that puts 4K8E64D before 4K16E64D."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
 def write_report(rows, out):
     """Add ``rows`` to the rows of ``out``.json (replacing those of the same model, seed and budget);
     write both files."""
@@ -162,7 +167,7 @@ def write_report(rows, out):
             row.setdefault("budget", f"equal updates, {row['updates']} per model")
         new = {(r["model"], r["seed"], r["budget"]) for r in rows}
         rows = [r for r in kept if (r["model"], r["seed"], r["budget"]) not in new] + rows
-    rows.sort(key=lambda r: (r["budget"], r["model"], r["seed"]))
+    rows.sort(key=lambda r: (r["budget"], natural_order(r["model"]), r["seed"]))
     lines = [f"MLM on WikiText-2 text, {os.cpu_count()} CPUs, batches of 16 x 256-token samples, masked-token "
              "perplexity exp(NLL) on held-out lines; validation NLL in bits (log2 of the perplexity).", "",
              "| budget | model | seed | date | parameters | updates | train words/s | wall s | valid ppl | valid NLL | "
