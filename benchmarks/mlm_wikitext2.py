@@ -37,7 +37,7 @@ import sys
 import time
 import zipfile
 
-from common import RESULTS, ROOT, shared_data
+from common import RESULTS, ROOT, moa_expert_flags, shared_data
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 
 SOURCE = shared_data("wikitext-2", "wiki.valid.tokens")
@@ -48,12 +48,7 @@ DEFAULT_MOA = "4K8E64D"
 
 def models(moa_config=DEFAULT_MOA):
     """--models key -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD)."""
-    shape = re.fullmatch(r"(\d+)K(\d+)E(\d+)D", moa_config)
-    if not shape or int(shape.group(1)) > int(shape.group(2)):
-        raise ValueError(f"--moa-config {moa_config!r}: expected kKeEdD with k <= e, such as 4K8E64D")
-    k, e, d = shape.groups()
-    moa = ["--arch", "moa_roberta_small", "--criterion", "moa_masked_lm",
-           "--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d]
+    moa = ["--arch", "moa_roberta_small", "--criterion", "moa_masked_lm", *moa_expert_flags(moa_config)]
     return {"moa": (f"MoA {moa_config} (moa_roberta_small)", moa),
             "moa-zero-router": (f"MoA {moa_config}, zero-initialised router", moa + ["--moa-router-init", "zeros"]),
             "moa-normal-router": (f"MoA {moa_config}, normal-initialised router", moa + ["--moa-router-init", "normal"]),

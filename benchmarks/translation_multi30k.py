@@ -67,7 +67,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common import RESULTS, ROOT, shared_data
+from common import RESULTS, ROOT, moa_expert_flags, shared_data
 import moa  # noqa: F401  (registers the plugin and the checkpoint allow-list)
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 from moa_tools.scoring import bleu_report, ordered_hypotheses, read_hypotheses
@@ -84,11 +84,7 @@ DEFAULT_MOA = "4K8E64D"
 
 def models(moa_config=DEFAULT_MOA):
     """--models key -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD)."""
-    shape = re.fullmatch(r"(\d+)K(\d+)E(\d+)D", moa_config)
-    if not shape or int(shape.group(1)) > int(shape.group(2)):
-        raise ValueError(f"--moa-config {moa_config!r}: expected kKeEdD with k <= e, such as 4K8E64D")
-    k, e, d = shape.groups()
-    moa_args = MOA + ["--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d]
+    moa_args = MOA + moa_expert_flags(moa_config)
     return {
         "moa": (f"MoA {moa_config} (moa_small)", moa_args),
         "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)",
