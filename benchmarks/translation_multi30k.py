@@ -63,6 +63,7 @@ import re
 import shutil
 import sys
 import time
+from collections import Counter
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -174,8 +175,7 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
     wps = [float(x) for line in log.splitlines() if "| train |" in line for x in re.findall(r"\| wps ([\d.]+)", line)]
     updates = [int(x) for x in re.findall(r"\| num_updates (\d+)", log)]
     valid = [float(x) for line in log.splitlines() if "| valid |" in line for x in re.findall(r"\| loss ([\d.]+)", line)]
-    valid_nll = [float(x) for line in log.splitlines() if "| valid |" in line
-                 for x in re.findall(r"\| nll_loss ([\d.]+)", line)]
+    valid_nll = valid_nll_by_updates(log)
     params = int(re.search(r"num\. shared model params: ([\d,]+)", log).group(1).replace(",", ""))
 
     checkpoint = os.path.join(save, "checkpoint_best.pt")
@@ -185,8 +185,8 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
             "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
             "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
             "best_valid_loss": min(valid) if valid else float("nan"),
-            "best_valid_nll": min(valid_nll) if valid_nll else float("nan"),
-            "valid_nll_by_updates": valid_nll_by_updates(log), **scores}
+            "best_valid_nll": min(valid_nll.values()) if valid_nll else float("nan"),
+            "valid_nll_by_updates": valid_nll, **scores}
 
 
 def valid_nll_by_updates(log):
@@ -226,10 +226,7 @@ def markdown(rows, budget_text):
                      f"{r['train_words_per_s']:.0f} | {r['train_wall_s']:.0f} | {r['updates']} | {r['best_valid_loss']:.3f} | "
                      f"{r.get('best_valid_nll', float('nan')):.3f} | {r['sacrebleu']:.2f} | {r['tokenized_bleu']:.2f} |")
     curves = [(r, {int(u): n for u, n in r.get("valid_nll_by_updates", {}).items()}) for r in rows]
-    counts = {}
-    for _, curve in curves:
-        for u in curve:
-            counts[u] = counts.get(u, 0) + 1
+    counts = Counter(u for _, curve in curves for u in curve)
     # the epoch ends, which most models reach; the validation at the time limit is at each model's own count
     points = sorted(u for u, n in counts.items() if n > len(rows) / 2)
     if points:
