@@ -107,17 +107,13 @@ def check_checkpoint_file(path: str) -> None:
         raise DamagedCheckpointError(damaged_checkpoint_message(path, reason))
 
 
-def fail_clearly_on_damaged_checkpoints() -> None:
-    """Make fairseq's checkpoint loading (training resume, generate, validate, interactive) check the
-    file first (:func:`check_checkpoint_file`), so that a damaged one is refused by name, with the fix,
-    instead of failing in torch's zip reader or, for a corrupt byte, loading wrong weights."""
-    from fairseq import checkpoint_utils
-
-    load = getattr(checkpoint_utils.load_checkpoint_to_cpu, "fairseq_load", checkpoint_utils.load_checkpoint_to_cpu)
+def checked_checkpoint_loader(load):
+    """fairseq's ``load_checkpoint_to_cpu`` (``load``) behind :func:`check_checkpoint_file`, so that a
+    damaged file is refused by name, with the fix, instead of failing in torch's zip reader or, for a
+    corrupt byte, loading wrong weights (see :mod:`moa.fairseq_patches`)."""
 
     def load_checkpoint_to_cpu(path, *args, **kwargs):
         check_checkpoint_file(path)
         return load(path, *args, **kwargs)
 
-    load_checkpoint_to_cpu.fairseq_load = load
-    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    return load_checkpoint_to_cpu

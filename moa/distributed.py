@@ -7,15 +7,15 @@ torchrun it ignores the launch unless ``--distributed-world-size`` is given (its
 CUDA device count, so each CPU process trains alone, all writing to one save dir), and then
 divides the rank by the CUDA device count (``ZeroDivisionError``); and its ``c10d`` backend hands
 torch's ``DistributedDataParallel`` ``device_ids=[device_id]``, which torch refuses for a CPU
-module. :func:`enable_cpu_data_parallel` (run when the plugin is imported, before fairseq reads the
-launch environment) fixes them:
+module. The replacements below (installed when the plugin is imported, before fairseq reads the
+launch environment, by :mod:`moa.fairseq_patches`) fix them:
 
 * under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the world size is
   torchrun's, as fairseq itself does on GPUs; without CUDA each process is rank ``RANK`` on device 0;
 * a CPU module gets ``device_ids=None`` and ``output_device=None``, as torch's DDP requires.
 
 On any device, resuming a data-parallel run also needs the other ranks to unpickle the training
-state rank 0 broadcasts; :func:`broadcast_object` allows what that holds for the duration of the
+state rank 0 broadcasts; :func:`broadcast_with_state_globals` allows what that holds for the duration of the
 broadcast only, so checkpoint files keep the narrow allow-list.
 
 So ``torchrun --nproc-per-node 2 $(which fairseq-train) ... --cpu --distributed-backend gloo
@@ -26,38 +26,38 @@ which this project does not install; fairseq says so when it is asked for.
 import os
 
 import torch
-from fairseq.distributed import utils as distributed_utils
-from fairseq.models import distributed_fairseq_model
 
 from moa.checkpoint_safety import broadcast_state_globals
 
-_fairseq_infer_init_method = distributed_utils.infer_init_method
-_fairseq_broadcast_object = distributed_utils.broadcast_object
 TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
 
-def infer_init_method(cfg, force_distributed=False):
+def torchrun_aware_init_method(fairseq_infer_init_method):
     """fairseq's ``infer_init_method``, taking the world size from torchrun (which fairseq does
     only when ``--distributed-world-size`` is not 1, its CPU default) and, without CUDA devices,
-    the rank from ``RANK`` on device 0."""
-    if cfg.distributed_init_method is None and all(name in os.environ for name in TORCHRUN_VARIABLES):
-        cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
-        if not torch.cuda.device_count() and cfg.distributed_world_size > 1:
-            cfg.distributed_init_method = "env://"
-            cfg.distributed_rank = int(os.environ["RANK"])
-            cfg.device_id = 0
-            cfg.distributed_no_spawn = True
-            return
-    spawning = (cfg.distributed_init_method is None and cfg.distributed_world_size > 1 and not cfg.distributed_no_spawn
-                and not torch.cuda.device_count() and not getattr(cfg, "tpu", False)
-                and "SLURM_JOB_NODELIST" not in os.environ)
-    if spawning:  # fairseq would spawn one process per CUDA device, none here, and train nothing
-        n = cfg.distributed_world_size
-        raise ValueError(f"--distributed-world-size {n} on a machine without CUDA devices: fairseq spawns one "
-                         f"process per GPU, so it would train nothing. On CPU, launch one process per rank with "
-                         f"torchrun: torchrun --standalone --nproc-per-node {n} $(which fairseq-train) ... --cpu "
-                         f"--distributed-backend gloo (and leave out --distributed-world-size)")
-    return _fairseq_infer_init_method(cfg, force_distributed)
+    the rank from ``RANK`` on device 0; a CPU world size without torchrun is an error."""
+
+    def infer_init_method(cfg, force_distributed=False):
+        if cfg.distributed_init_method is None and all(name in os.environ for name in TORCHRUN_VARIABLES):
+            cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
+            if not torch.cuda.device_count() and cfg.distributed_world_size > 1:
+                cfg.distributed_init_method = "env://"
+                cfg.distributed_rank = int(os.environ["RANK"])
+                cfg.device_id = 0
+                cfg.distributed_no_spawn = True
+                return
+        spawning = (cfg.distributed_init_method is None and cfg.distributed_world_size > 1
+                    and not cfg.distributed_no_spawn and not torch.cuda.device_count()
+                    and not getattr(cfg, "tpu", False) and "SLURM_JOB_NODELIST" not in os.environ)
+        if spawning:  # fairseq would spawn one process per CUDA device, none here, and train nothing
+            n = cfg.distributed_world_size
+            raise ValueError(f"--distributed-world-size {n} on a machine without CUDA devices: fairseq spawns one "
+                             f"process per GPU, so it would train nothing. On CPU, launch one process per rank with "
+                             f"torchrun: torchrun --standalone --nproc-per-node {n} $(which fairseq-train) ... --cpu "
+                             f"--distributed-backend gloo (and leave out --distributed-world-size)")
+        return fairseq_infer_init_method(cfg, force_distributed)
+
+    return infer_init_method
 
 
 class CPUAwareDistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
@@ -69,16 +69,13 @@ class CPUAwareDistributedDataParallel(torch.nn.parallel.DistributedDataParallel)
         super().__init__(module, device_ids=device_ids, output_device=output_device, **kwargs)
 
 
-def broadcast_object(obj, src_rank, group, dist_device=None):
+def broadcast_with_state_globals(fairseq_broadcast_object):
     """fairseq's ``broadcast_object`` with :func:`~moa.checkpoint_safety.broadcast_state_globals`
     allowed to the safe unpickler while the object is received: how the other ranks get the
     training state rank 0 loaded when a data-parallel run resumes."""
-    with torch.serialization.safe_globals(broadcast_state_globals()):
-        return _fairseq_broadcast_object(obj, src_rank, group, dist_device)
 
+    def broadcast_object(obj, src_rank, group, dist_device=None):
+        with torch.serialization.safe_globals(broadcast_state_globals()):
+            return fairseq_broadcast_object(obj, src_rank, group, dist_device)
 
-def enable_cpu_data_parallel() -> None:
-    """Install the fixes into fairseq (idempotent)."""
-    distributed_utils.infer_init_method = infer_init_method
-    distributed_utils.broadcast_object = broadcast_object
-    distributed_fairseq_model.DistributedDataParallel = CPUAwareDistributedDataParallel
+    return broadcast_object

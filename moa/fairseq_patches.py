@@ -1,0 +1,88 @@
+"""Every change the plugin makes to fairseq (and to torch's loader), in one place.
+
+fairseq 0.12 has no hooks for what follows, so the plugin replaces four of its attributes when it is
+imported, each by a function or class that wraps fairseq's own:
+
+========================================================  ==========================================
+replaced                                                  why
+========================================================  ==========================================
+``fairseq.checkpoint_utils.load_checkpoint_to_cpu``       check the file's CRC-32s first, so a
+                                                          truncated or corrupt checkpoint is refused
+                                                          by name with the fix (train, generate,
+                                                          validate, interactive)
+``fairseq.distributed.utils.infer_init_method``           data parallelism on CPU ranks under
+                                                          torchrun; an error instead of training
+                                                          nothing without it
+``fairseq.distributed.utils.broadcast_object``            the other ranks of a resumed data-parallel
+                                                          run may unpickle the training state
+``fairseq.models.distributed_fairseq_model``              torch's DDP refuses the CUDA device ids
+``.DistributedDataParallel``                              fairseq passes for a CPU module
+========================================================  ==========================================
+
+It also registers with torch's weights-only unpickler exactly the classes fairseq checkpoints hold
+(:func:`~moa.checkpoint_safety.fairseq_checkpoint_globals`), and undoes a side effect of importing
+fairseq: its ``wav2vec2_classification`` and text-to-speech modules call ``logging.basicConfig(level=
+DEBUG)`` when imported, which turns on debug logging in any program that imports fairseq before
+configuring logging itself (fairseq's own CLIs configure it first, so nothing changes there).
+:func:`apply` does all of it, once (importing the plugin twice changes nothing), and logs each
+replacement at debug level.
+"""
+
+import importlib
+import logging
+import sys
+from typing import Callable, NamedTuple
+
+logger = logging.getLogger(__name__)
+
+
+class Patch(NamedTuple):
+    module: str
+    attribute: str
+    replacement: Callable  # fairseq's original -> what replaces it
+    why: str
+
+
+def _patches():
+    from moa import checkpoint_safety, distributed
+
+    return [
+        Patch("fairseq.checkpoint_utils", "load_checkpoint_to_cpu", checkpoint_safety.checked_checkpoint_loader,
+              "a damaged checkpoint is refused by name, with the fix"),
+        Patch("fairseq.distributed.utils", "infer_init_method", distributed.torchrun_aware_init_method,
+              "data-parallel training on CPU ranks under torchrun"),
+        Patch("fairseq.distributed.utils", "broadcast_object", distributed.broadcast_with_state_globals,
+              "resumed data-parallel ranks may unpickle the broadcast training state"),
+        Patch("fairseq.models.distributed_fairseq_model", "DistributedDataParallel",
+              lambda fairseq_ddp: distributed.CPUAwareDistributedDataParallel,
+              "torch's DDP without CUDA device ids for a CPU module"),
+    ]
+
+
+def apply() -> None:
+    """Install every patch of :func:`_patches` that is not installed yet, and the checkpoint allow-list."""
+    from moa.checkpoint_safety import allow_fairseq_checkpoint_globals
+
+    _import_fairseq_keeping_logging()
+    allow_fairseq_checkpoint_globals()
+    for patch in _patches():
+        module = importlib.import_module(patch.module)
+        original = getattr(module, patch.attribute)
+        if getattr(original, "__moa_patch__", False):
+            continue
+        replacement = patch.replacement(original)
+        replacement.__moa_patch__ = True
+        setattr(module, patch.attribute, replacement)
+        logger.debug("moa replaces %s.%s: %s", patch.module, patch.attribute, patch.why)
+
+
+def _import_fairseq_keeping_logging() -> None:
+    """Import fairseq; if this is its first import, leave the root logger as it was before."""
+    if "fairseq" in sys.modules:
+        return
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    importlib.import_module("fairseq")
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+    root.setLevel(level)
