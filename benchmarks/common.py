@@ -6,10 +6,8 @@ default ``../shared/data`` beside the checkout (see its README for what each fol
 
 import os
 import re
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the plugin and the tools of this checkout, also when run as a script
 SHARED_DATA = os.environ.get("MOA_SHARED_DATA") or os.path.normpath(os.path.join(ROOT, "..", "shared", "data"))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 

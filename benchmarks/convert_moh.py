@@ -1,8 +1,8 @@
 """Converting trained Transformers to MoH, CPU: moa-convert-moh and continued training, measured.
 
-    .venv/bin/python benchmarks/convert_moh.py [--original CKPT] [--updates 300] [--mlm-updates 200]
-    .venv/bin/python benchmarks/convert_moh.py --smoke          # minutes; the slow tests run it
-    .venv/bin/python benchmarks/convert_moh.py --remeasure      # re-time decoding, re-score perplexity
+    .venv/bin/python -m benchmarks.convert_moh [--original CKPT] [--updates 300] [--mlm-updates 200]
+    .venv/bin/python -m benchmarks.convert_moh --smoke          # minutes; the slow tests run it
+    .venv/bin/python -m benchmarks.convert_moh --remeasure      # re-time decoding, re-score perplexity
 
 Translation, Multi30k En-De: the Multi30k benchmark's Transformer (4 heads of 64; trained here for
 --minutes with that benchmark's settings unless --original names one) is converted to MoH at 75%
@@ -32,9 +32,9 @@ import time
 
 import torch
 
-import mlm_wikitext2
-import translation_multi30k as mt
-from common import RESULTS, ROOT
+from benchmarks import mlm_wikitext2
+from benchmarks import translation_multi30k as mt
+from benchmarks.common import RESULTS, ROOT
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 from moa_tools.checkpoints import load_checkpoint, save_atomically
 from moa_tools.moh_conversion import continue_flags, convert

@@ -1,8 +1,8 @@
 """Masked LM on WikiText-2 text: small MoA and MoH RoBERTas against a same-shape Transformer RoBERTa.
 
-    .venv/bin/python benchmarks/mlm_wikitext2.py [--updates 600] [--workdir DIR]
-    .venv/bin/python benchmarks/mlm_wikitext2.py --models moa-zero-router --moa-config 4K32E64D --seeds 1 2
-    .venv/bin/python benchmarks/mlm_wikitext2.py --minutes 6 ...   # equal training time instead
+    .venv/bin/python -m benchmarks.mlm_wikitext2 [--updates 600] [--workdir DIR]
+    .venv/bin/python -m benchmarks.mlm_wikitext2 --models moa-zero-router --moa-config 4K32E64D --seeds 1 2
+    .venv/bin/python -m benchmarks.mlm_wikitext2 --minutes 6 ...   # equal training time instead
 
 Uses wikitext-2/wiki.valid.tokens of the shared data folder (the only WikiText split kept on
 this machine): the first 90% of its lines train, the next 5% validate, the last
@@ -37,7 +37,7 @@ import sys
 import time
 import zipfile
 
-from common import RESULTS, ROOT, moa_expert_flags, shared_data
+from benchmarks.common import RESULTS, ROOT, moa_expert_flags, shared_data
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 
 SOURCE = shared_data("wikitext-2", "wiki.valid.tokens")

@@ -1,8 +1,8 @@
 """MoA and MoH speed and memory, side by side with fairseq's multi-head attention, in one run.
 
-    .venv/bin/python benchmarks/moa_speed.py                # full run (about 10 minutes on 2 CPU cores)
-    .venv/bin/python benchmarks/moa_speed.py --quick        # a smaller grid, for a smoke test
-    .venv/bin/python benchmarks/moa_speed.py --device cuda  # the same on a GPU
+    .venv/bin/python -m benchmarks.moa_speed                # full run (about 10 minutes on 2 CPU cores)
+    .venv/bin/python -m benchmarks.moa_speed --quick        # a smaller grid, for a smoke test
+    .venv/bin/python -m benchmarks.moa_speed --device cuda  # the same on a GPU
 
 Prints a markdown report and writes it with the raw figures as JSON
 (``--out``, default benchmarks/results/<device>.json and .md). Timings are
@@ -33,13 +33,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import moa  # noqa: E402,F401
-from authors_style_moa import AuthorsStyleMoA  # noqa: E402
-from fairseq.modules.multihead_attention import MultiheadAttention  # noqa: E402
-from moa.attention import MixtureOfAttentionHeads  # noqa: E402
-from moa.moh_attention import MixtureOfHeadsAttention  # noqa: E402
-from moa.models.build import build_translation_model, dictionary_of_size  # noqa: E402
+import moa  # noqa: F401  (registers the plugin)
+from benchmarks.authors_style_moa import AuthorsStyleMoA
+from fairseq.modules.multihead_attention import MultiheadAttention
+from moa.moa_attention import MixtureOfAttentionHeads
+from moa.moh_attention import MixtureOfHeadsAttention
+from moa.models.build import build_translation_model, dictionary_of_size
 
 D_MODEL = 512
 MOA_CONFIGS = {"8K8E128D": (8, 8, 128), "16K32E256D": (32, 16, 256), "2K8E64D": (8, 2, 64), "4K16E64D": (16, 4, 64)}
@@ -97,7 +96,7 @@ def compute_floor(module, x, bsz, seq):
     m, dim = module, D_MODEL
     flat = x.detach().reshape(-1, dim)
     with torch.no_grad():
-        experts = m.router(flat).experts
+        experts = m.router(flat).selected
     sizes = torch.bincount(experts.flatten(), minlength=m.num_experts).tolist()
     dense = m.top_k == m.num_experts
     leaf = lambda *shape: torch.randn(*shape, device=x.device, requires_grad=True)  # noqa: E731

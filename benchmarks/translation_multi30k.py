@@ -1,10 +1,10 @@
 """Translation on real data, CPU: a small MoA model against a same-shape Transformer on Multi30k.
 
-    .venv/bin/python benchmarks/translation_multi30k.py [--pairs en-de en-fr] [--minutes 11 | --updates N]
-    .venv/bin/python benchmarks/translation_multi30k.py --smoke     # a 3-minute version (the slow tests run it)
-    .venv/bin/python benchmarks/translation_multi30k.py --models moa-self transformer --seeds 2 3
-    .venv/bin/python benchmarks/translation_multi30k.py --combine A.json B.json --out ALL   # tables over both
-    .venv/bin/python benchmarks/translation_multi30k.py --moa-config 4K4E128D   # other MoA experts
+    .venv/bin/python -m benchmarks.translation_multi30k [--pairs en-de en-fr] [--minutes 11 | --updates N]
+    .venv/bin/python -m benchmarks.translation_multi30k --smoke     # a 3-minute version (the slow tests run it)
+    .venv/bin/python -m benchmarks.translation_multi30k --models moa-self transformer --seeds 2 3
+    .venv/bin/python -m benchmarks.translation_multi30k --combine A.json B.json --out ALL   # tables over both
+    .venv/bin/python -m benchmarks.translation_multi30k --moa-config 4K4E128D   # other MoA experts
 
 About 105 minutes on 2 cores with the defaults: 8 models x (11 min training + translation + MAC count).
 
@@ -68,8 +68,8 @@ from collections import Counter
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common import RESULTS, ROOT, moa_expert_flags, shared_data
 import moa  # noqa: F401  (registers the plugin and the checkpoint allow-list)
+from benchmarks.common import RESULTS, ROOT, moa_expert_flags, shared_data
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 from moa_tools.scoring import bleu_report, ordered_hypotheses, read_hypotheses
 from moa_tools.textio import read_lines

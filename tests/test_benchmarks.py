@@ -9,12 +9,12 @@ import pytest
 import torch
 from fairseq.data import Dictionary
 
-import translation_multi30k
-from authors_style_moa import AuthorsStyleMoA
-from conftest import ROOT, needs_shared
-from moa.attention import MixtureOfAttentionHeads
+from benchmarks import translation_multi30k
+from benchmarks.authors_style_moa import AuthorsStyleMoA
+from benchmarks.translation_multi30k import MODELS, models
+from helpers import ROOT, needs_shared
+from moa.moa_attention import MixtureOfAttentionHeads
 from moa.models.build import build_translation_model, dictionary_of_size
-from translation_multi30k import MODELS, models
 
 needs_multi30k, _ = needs_shared("multi30k")
 
@@ -31,8 +31,8 @@ def test_authors_style_baseline_matches_moa_with_raw_gates():
 @pytest.mark.slow
 def test_quick_benchmark_reports_every_module(tmp_path):
     out = tmp_path / "quick.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "moa_speed.py"), "--quick",
-                           "--out", str(out)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.moa_speed", "--quick",
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     names = {r["module"] for r in report["modules"]}
@@ -58,9 +58,9 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     stale = tmp_path / "work" / "en-de" / "seed1" / "MoA-4K8E64D-moa_small" / "checkpoint_last.pt"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"left by an earlier run")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--smoke",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.translation_multi30k", "--smoke",
                            "--pairs", "en-de", "--seeds", "1", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "result.json").read_text())
     moa_row, moa_self_row, moh_row, transformer_row = report["rows"][:4]
@@ -99,9 +99,9 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
         part = dict(report, budget=f"equal updates, 20 per model, batches of up to 2048 tokens, 200 warmup updates, seed {seed}",
                     rows=[{k: v for k, v in r.items() if k != "seed"} for r in rows if r["seed"] == seed])
         (tmp_path / f"seed{seed}.json").write_text(json.dumps(part))
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "translation_multi30k.py"), "--combine",
+    subprocess.run([sys.executable, "-m", "benchmarks.translation_multi30k", "--combine",
                     str(tmp_path / "seed1.json"), str(tmp_path / "seed2.json"), "--out", str(tmp_path / "both")],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, cwd=ROOT)
     assert json.loads((tmp_path / "both.json").read_text()) == report
     assert mean in (tmp_path / "both.md").read_text()
 
