@@ -22,7 +22,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from moa.attention_base import RoutedAttention
+from moa.routed_attention import RoutedAttention
 
 
 def checkpoint_routed_layer(layer: torch.nn.Module, offload_to_cpu: bool = False) -> torch.nn.Module:

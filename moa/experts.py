@@ -2,9 +2,10 @@
 
 MoA gives every expert i its own query projection W_q^i (d_model -> D) and
 output projection W_o^i (D -> d_model). With N tokens each routed to k experts
-there are N*k (token, slot) assignments. :class:`ExpertDispatch` sorts them by
-expert once per module; :func:`expert_linear` then multiplies each expert's
-block of rows by that expert's weight only: N*k rows of work in all, never N*E.
+there are N*k (token, slot) assignments. A dispatch plan (:mod:`moa.dispatch`)
+sorts them by expert once per module; :func:`expert_linear` then multiplies each
+expert's block of rows by that expert's weight only: N*k rows of work in all,
+never N*E.
 
 :func:`expert_linear` gathers its input rows, multiplies and scatter-adds the
 results in one autograd node (in the manner of ScatterMoE), so the gathered
@@ -18,29 +19,6 @@ from typing import List, Optional
 
 import torch
 from torch import Tensor, nn
-
-
-class ExpertDispatch:
-    """Where each (token, slot) assignment of a routing decision goes.
-
-    experts: (N, k) selected expert of each slot, tokens flattened time-first
-    (n = t * batch + b). Sorted by expert, assignment p of the sorted order is
-    token ``token[p]``, and row ``slot_row[p]`` of the attention layout
-    (batch, k, tgt_len) flattened, i.e. ``(b * k + j) * tgt_len + t``; ``order[p]``
-    is the assignment index n * k + j itself.
-    ``group_sizes`` holds the E block lengths (one host sync per module).
-    """
-
-    def __init__(self, experts: Tensor, num_experts: int, tgt_len: int, bsz: int):
-        num_tokens, top_k = experts.shape
-        self.order = order = experts.reshape(-1).argsort(stable=True)  # sorted position -> assignment
-        self.token = order // top_k
-        slot = order % top_k
-        t, b = self.token // bsz, self.token % bsz
-        self.slot_row = (b * top_k + slot) * tgt_len + t
-        self.group_sizes: List[int] = torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
-        self.num_tokens = num_tokens
-        self.num_slot_rows = num_tokens * top_k
 
 
 class _ExpertLinear(torch.autograd.Function):

@@ -23,8 +23,8 @@ multiplies by the gates, zero for unselected heads, as the released code does; i
 test reference, and used when every routed head is active anyway (K = E) and, by default
 (``decode_all_heads``), for incremental decoding: with one query per sentence every (sentence,
 head) group of the packed layout holds at most one query, so packing skips no attention work, only
-the unselected heads' query and output projections, and on 2 CPU cores its bookkeeping cost
-beam-4 decoding of a small model twice the time (benchmarks/README.md, conversion).
+the unselected heads' query and output projections, and its bookkeeping costs more than those
+(docs/speed-and-memory.md).
 
 ``router="query-norm"`` replaces the learned router with the parameter-free one of converted models
 (:class:`~moa.routing.QueryNormHeadRouter`): it needs every routed head's query to score them, so
@@ -35,49 +35,13 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fairseq import utils
 from fairseq.incremental_decoding_utils import with_incremental_state
-from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
-from moa.attention_base import IncrementalState, RoutedAttention, attention_bias
+from moa.dispatch import HeadPacking
 from moa.experts import expert_linear
+from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
 from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStageHeadRouter
-
-
-class HeadPacking:
-    """Where each (token, slot) assignment to a routed head goes in the packed attention layout.
-
-    heads: (N, K) selected routed head per slot, tokens flattened time-first (n = t * bsz + b).
-    The layout is (bsz, E, length, D): group (b, e) holds, in time order, the queries of row b
-    that selected head e, ``length`` being the largest group. Sorted by head, assignment p is
-    token ``token[p]`` and packed row ``packed_row[p]``; ``order[p]`` is the assignment index
-    n * K + j. ``position`` (bsz, E, length) is each packed row's time step (empty rows: the
-    last one, so that they see some key and stay finite). One host sync for all the sizes.
-    """
-
-    def __init__(self, heads: Tensor, num_heads: int, tgt_len: int, bsz: int):
-        num_tokens, top_k = heads.shape
-        flat = heads.reshape(-1)
-        token = torch.arange(num_tokens, device=heads.device).repeat_interleave(top_k)
-        t, b = token // bsz, token % bsz
-        group = b * num_heads + flat
-        by_group = group.argsort(stable=True)  # within a group: token order, i.e. time order
-        counts = torch.bincount(group, minlength=bsz * num_heads)
-        sizes = torch.cat([counts.max().view(1), torch.bincount(flat, minlength=num_heads)]).tolist()
-        self.length, self.group_sizes = sizes[0], sizes[1:]
-        sorted_group = group[by_group]
-        rank = torch.arange(flat.numel(), device=heads.device) - (counts.cumsum(0) - counts)[sorted_group]
-        packed_row = torch.empty_like(flat)
-        packed_row[by_group] = sorted_group * self.length + rank
-        position = torch.full((bsz * num_heads * self.length,), tgt_len - 1, dtype=torch.long, device=heads.device)
-        position[packed_row] = t
-        self.position = position.view(bsz, num_heads, self.length)
-        self.order = flat.argsort(stable=True)  # by head, for the projections
-        self.token = token[self.order]
-        self.packed_row = packed_row[self.order]
-        self.batch_time_row = (b * tgt_len + t)[self.order]  # row of (bsz * tgt_len) weights
-        self.num_packed_rows = bsz * num_heads * self.length
 
 
 @with_incremental_state
@@ -88,6 +52,9 @@ class MixtureOfHeadsAttention(RoutedAttention):
     ``query-norm`` (:class:`~moa.routing.QueryNormHeadRouter`, no parameters).
 
     After each forward, ``self.routing`` holds the :class:`~moa.routing.HeadRouting` of the queries.
+    Attention weights, when asked for, are averaged over each token's active heads (batch, tgt_len,
+    src_len), or every head's (num_heads, batch, tgt_len, src_len) with ``need_head_weights``
+    (computed for all heads).
     """
 
     time_dim = 2  # cached keys/values: (batch, heads, len, D), as fairseq's MultiheadAttention
@@ -96,14 +63,11 @@ class MixtureOfHeadsAttention(RoutedAttention):
                  vdim: Optional[int] = None, dropout: float = 0.0, bias: bool = True, self_attention: bool = False,
                  encoder_decoder_attention: bool = False, gate_scale: str = "softmax", balance_loss: str = "paper",
                  router: str = "learned"):
-        super().__init__(self_attention, encoder_decoder_attention)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
-        self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.head_dim = embed_dim // num_heads
+        super().__init__(embed_dim, embed_dim // num_heads, dropout, self_attention, encoder_decoder_attention)
+        self.num_heads = num_heads
         self.shared_heads, self.top_k = shared_heads, top_k
-        self.scaling = self.head_dim ** -0.5
-        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
         if router not in HEAD_ROUTERS:
             raise ValueError(f"router must be one of {HEAD_ROUTERS}, got {router!r}")
         self.router = QueryNormHeadRouter(num_heads, shared_heads, top_k) if router == "query-norm" else \
@@ -121,57 +85,27 @@ class MixtureOfHeadsAttention(RoutedAttention):
         self.compute_all_heads = False
         self.decode_all_heads = True
 
-    def forward(
-        self,
-        query: Tensor,
-        key: Optional[Tensor],
-        value: Optional[Tensor],
-        key_padding_mask: Optional[Tensor] = None,
-        incremental_state: IncrementalState = None,
-        need_weights: bool = True,
-        static_kv: bool = False,
-        attn_mask: Optional[Tensor] = None,
-        before_softmax: bool = False,
-        need_head_weights: bool = False,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """query: (tgt_len, batch, embed_dim); key/value: (src_len, batch, kdim/vdim).
+    def route(self, x: Tensor, padding: Optional[Tensor]) -> Tuple[HeadRouting, Optional[Tensor]]:
+        """The query-norm router scores the routed heads by their queries: those are projected once
+        for all tokens here and the selected ones reused for attention."""
+        routed_queries = self._routed_queries(x) if self.router.needs_routed_queries else None
+        return self.router(x, padding, routed_queries), routed_queries
 
-        key_padding_mask: (batch, src_len), True/1 at padding. attn_mask: (tgt_len, src_len),
-        additive float (fairseq's -inf future mask) or bool (True = blocked). Returns output
-        (tgt_len, batch, embed_dim) and, when asked for, attention weights averaged over each
-        token's active heads (batch, tgt_len, src_len), or every head's (num_heads, batch,
-        tgt_len, src_len) with ``need_head_weights`` (computed for all heads).
-        """
-        if before_softmax:
-            raise NotImplementedError("MixtureOfHeadsAttention does not return pre-softmax scores")
-        tgt_len, bsz, embed_dim = query.shape
-        if embed_dim != self.embed_dim:
-            raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
-        keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
-                                                               static_kv, self._project_key_value)
-        x = query.reshape(tgt_len * bsz, embed_dim)
-        padding = self.flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz)
-        routed_queries = None
-        if isinstance(self.router, QueryNormHeadRouter):
-            routed_queries = self._routed_queries(x)
-            routing = self.router(routed_queries, x.size(0), padding)
-        else:
-            routing = self.router(x, padding)
-        self.record(routing)
-        bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
+    def mix(self, x, routing: HeadRouting, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
+            need_head_weights, decoding):
         if self.compute_all_heads or need_head_weights or self.top_k == self.router.routed_heads or \
-                (self.decode_all_heads and incremental_state is not None):
-            y, weights = self._forward_all_heads(x, routing, keys, values, bias, tgt_len, bsz,
-                                                 need_weights or need_head_weights, need_head_weights, routed_queries)
+                (self.decode_all_heads and decoding):
+            y, weights = self._mix_all_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
+                                             need_head_weights, routed_queries)
         else:
-            y, weights = self._forward_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
-                                                    routed_queries)
+            y, weights = self._mix_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
+                                                routed_queries)
         if self.out_proj.bias is not None:
             y = y + self.out_proj.bias
-        return y.view(tgt_len, bsz, embed_dim), weights
+        return y, weights
 
-    def _forward_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
-                              routed_queries: Optional[Tensor] = None):
+    def _mix_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
+                          routed_queries: Optional[Tensor] = None):
         """Shared heads as multi-head attention; routed heads packed per (batch row, head).
         routed_queries: (N, E, D), every routed head's query when the router computed them."""
         h_s, d = self.shared_heads, self.head_dim
@@ -179,27 +113,27 @@ class MixtureOfHeadsAttention(RoutedAttention):
         if h_s:
             q = F.linear(x, self.q_proj.weight[:h_s * d], _rows(self.q_proj.bias, h_s * d))
             q = q.view(tgt_len, bsz, h_s, d).permute(1, 2, 0, 3)
-            o, weights = self._attend(q, keys[:, :h_s], values[:, :h_s], bias, need_weights)
+            o, weights = self.attention_core(q, keys[:, :h_s], values[:, :h_s], bias, need_weights)
             o = o * routing.shared_gates.view(tgt_len, bsz, h_s).permute(1, 2, 0).unsqueeze(-1)
             y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, h_s * d), self.out_proj.weight[:, :h_s * d])
             if need_weights:
                 weight_sum = weights.sum(dim=1)  # (B, T, S)
         if self.top_k:
             e = self.router.routed_heads
-            plan = HeadPacking(routing.heads, e, tgt_len, bsz)
+            plan = HeadPacking(routing.selected, e, tgt_len, bsz)
             if routed_queries is None:
                 q_weight = self.q_proj.weight[h_s * d:].view(e, d, -1).transpose(1, 2)  # (E, C, D), a view
                 q_bias = None if self.q_proj.bias is None else self.q_proj.bias[h_s * d:].view(e, d)
                 q = expert_linear(x, q_weight, q_bias, plan.token, plan.packed_row, plan.group_sizes,
                                   plan.num_packed_rows)
             else:
-                selected = routed_queries[plan.token, routing.heads.reshape(-1)[plan.order]]  # (N * K, D)
+                selected = routed_queries[plan.token, routing.selected.reshape(-1)[plan.order]]  # (N * K, D)
                 q = selected.new_zeros(plan.num_packed_rows, d).index_copy(0, plan.packed_row, selected)
             q = q.view(bsz, e, plan.length, d)
-            o, weights = self._attend(q, keys[:, h_s:], values[:, h_s:], _packed_bias(bias, plan.position),
-                                      need_weights)
+            o, weights = self.attention_core(q, keys[:, h_s:], values[:, h_s:],
+                                             _packed_bias(bias, plan.position), need_weights)
             o_weight = self.out_proj.weight[:, h_s * d:].view(-1, e, d).permute(1, 2, 0)  # (E, D, C), a view
-            gates = routing.routed_gates.reshape(-1)[plan.order]
+            gates = routing.gates.reshape(-1)[plan.order]
             routed = expert_linear(o.reshape(-1, d), o_weight, None, plan.packed_row, plan.token, plan.group_sizes,
                                    x.size(0), scale=gates)
             y = routed if y is None else y + routed
@@ -212,8 +146,8 @@ class MixtureOfHeadsAttention(RoutedAttention):
         weights = weight_sum / (h_s + self.top_k) if need_weights else None
         return y, weights
 
-    def _forward_all_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
-                           need_head_weights, routed_queries: Optional[Tensor] = None):
+    def _mix_all_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
+                       need_head_weights, routed_queries: Optional[Tensor] = None):
         """Every head computed, then scaled by its gate (zero for unselected routed heads)."""
         gates = self.full_gates(routing)  # (N, h)
         if routed_queries is None:
@@ -223,7 +157,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
                               _rows(self.q_proj.bias, self.shared_heads * self.head_dim))
             q = torch.cat([shared, routed_queries.reshape(x.size(0), -1)], dim=1)
         q = q.view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        o, weights = self._attend(q, keys, values, bias, need_weights)
+        o, weights = self.attention_core(q, keys, values, bias, need_weights)
         o = o * gates.view(tgt_len, bsz, self.num_heads).permute(1, 2, 0).unsqueeze(-1)
         y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, self.embed_dim), self.out_proj.weight)
         if not need_weights:
@@ -235,27 +169,18 @@ class MixtureOfHeadsAttention(RoutedAttention):
 
     def full_gates(self, routing: HeadRouting) -> Tensor:
         """(N, num_heads) gate of every head, zero for the routed heads a token did not select."""
-        known = routing.shared_gates if routing.shared_gates is not None else routing.routed_gates
+        known = routing.shared_gates if routing.shared_gates is not None else routing.gates
         gates = [] if routing.shared_gates is None else [routing.shared_gates]
         if self.router.routed_heads:
             routed = known.new_zeros(known.size(0), self.router.routed_heads)
-            if routing.heads is not None:
-                routed = routed.scatter(1, routing.heads, routing.routed_gates)
+            if routing.selected is not None:
+                routed = routed.scatter(1, routing.selected, routing.gates)
             gates.append(routed)
         return torch.cat(gates, dim=1)
 
-    def _attend(self, q, keys, values, bias, need_weights: bool):
-        """q: (B, H, L, D); keys, values: (B, H, S, D); bias: additive, broadcastable to (B, H, L, S).
-        Returns o (B, H, L, D) and, with ``need_weights``, the probabilities (B, H, L, S)."""
-        if not need_weights:
-            dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
-                                                  scale=self.scaling), None
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling
-        if bias is not None:
-            scores = scores + bias
-        probs = utils.softmax(scores, dim=-1).type_as(scores)
-        return torch.matmul(self.dropout_module(probs), values), probs
+    def head_outputs(self, query, key, key_padding_mask=None, attn_mask=None):
+        """Every head's attention and ``A_i V_i W_O^i``, ungated (see the base)."""
+        return multihead_outputs(self, query, key, key_padding_mask, attn_mask)
 
     def _routed_queries(self, x: Tensor) -> Optional[Tensor]:
         """(N, E, D): every routed head's query (unscaled), or None when every head is shared."""
@@ -280,6 +205,22 @@ class MixtureOfHeadsAttention(RoutedAttention):
         return (f"heads={self.num_heads} (shared {self.shared_heads}, top-{self.top_k} of "
                 f"{self.router.routed_heads} routed), head_dim={self.head_dim}, router={router}, "
                 f"self_attention={self.self_attention}, encoder_decoder_attention={self.encoder_decoder_attention}")
+
+
+def multihead_outputs(module, query: Tensor, key: Tensor, key_padding_mask: Optional[Tensor] = None,
+                      attn_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(A, O) of :meth:`RoutedAttention.head_outputs` for a module with fairseq's ``MultiheadAttention``
+    parameters (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, ``num_heads``, ``head_dim``): MoH's,
+    and fairseq's own. query: (T, B, C); key: (S, B, C_k)."""
+    heads, d = module.num_heads, module.head_dim
+
+    def split(t: Tensor) -> Tensor:  # (len, B, H * D) -> (B, H, len, D)
+        return t.view(t.size(0), t.size(1), heads, d).permute(1, 2, 0, 3)
+
+    q, k, v = split(module.q_proj(query)), split(module.k_proj(key)), split(module.v_proj(key))
+    attention = attention_probs(q, k, attention_bias(attn_mask, key_padding_mask, q.dtype), d ** -0.5)
+    w_o = module.out_proj.weight.view(-1, heads, d).permute(1, 2, 0)  # (H, D, C)
+    return attention, torch.matmul(torch.matmul(attention, v), w_o[None])
 
 
 def _rows(bias: Optional[Tensor], n: int) -> Optional[Tensor]:

@@ -23,7 +23,7 @@ the routed heads, weighted by a second stage that mixes the two groups (see its 
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,23 +36,73 @@ BALANCE_LOSSES = ("paper", "experts-scaled")
 HEAD_ROUTERS = ("learned", "query-norm")
 
 
-@dataclass
 class Routing:
-    """The routing decision for N tokens.
+    """What every router returns and every routed module hands to the criterion and the analysis.
 
-    experts: (N, k) int64, the selected experts of each token, most probable first.
-    weights: (N, k) gate weights in the input's dtype.
-    load_balancing_loss: scalar L_a; router_z_loss: scalar L_z (float32).
-    expert_load: (E,) float32, (token, slot) assignments per expert, padding excluded.
-    probs: (N, E) float32 router probabilities (for analysis; part of the graph anyway).
+    Common to MoA and MoH, for N tokens (flattened time-first) and E experts or routed heads:
+    ``selected`` (N, k) int64, the chosen experts/heads, most probable first (None when k = 0);
+    ``gates`` (N, k) their gate weights in the input's dtype (None when k = 0); ``load`` (E,) float32,
+    (token, slot) assignments per expert, padding excluded; ``probs`` (N, E) float32 router
+    probabilities (None when k = 0). ``family`` ("MoA", "MoH") names the method; in lower case it
+    prefixes the figures the criterion logs.
     """
 
-    experts: Tensor
-    weights: Tensor
+    family: ClassVar[str]
+    aux_reduction: ClassVar[str] = "sum"  # how the criterion combines the modules' aux_loss: sum or mean
+    active_fraction: ClassVar[Optional[float]] = None
+    mean_alpha_shared: ClassVar[Optional[Tensor]] = None
+
+    def aux_losses(self) -> Dict[str, Tensor]:
+        """The module's auxiliary losses by name (scalars)."""
+        raise NotImplementedError
+
+    def aux_loss(self, cfg, sample_size) -> Tensor:
+        """This module's auxiliary term, weighted by ``cfg`` (the criterion's --moa-alpha, --moa-beta,
+        --moh-beta, --moa-aux-loss-scale), per unit of the task loss's ``sample_size``."""
+        raise NotImplementedError
+
+    def trains_router(self, cfg) -> bool:
+        """Whether :meth:`aux_loss` under ``cfg`` has a gradient to give the router."""
+        raise NotImplementedError
+
+    def figures(self) -> Dict[str, Tensor]:
+        """The figures to log for this module, by name (scalars)."""
+        figures = dict(self.aux_losses())
+        if self.load.numel() > 1:
+            figures["load_cv"] = load_cv(self.load)
+        return figures
+
+
+def load_cv(load: Tensor) -> Tensor:
+    """Coefficient of variation of a load vector (E,): 0 when balanced."""
+    return load.std(unbiased=False) / load.mean().clamp(min=1e-9)
+
+
+@dataclass
+class ExpertRouting(Routing):
+    """MoA's routing decision (:class:`TopKRouter`): ``selected``/``gates``/``load``/``probs`` as in
+    :class:`Routing` (k >= 1 always), ``load_balancing_loss`` L_a and ``router_z_loss`` L_z (float32)."""
+
+    family: ClassVar[str] = "MoA"
+
+    selected: Tensor
+    gates: Tensor
+    load: Tensor
+    probs: Tensor
     load_balancing_loss: Tensor
     router_z_loss: Tensor
-    expert_load: Tensor
-    probs: Optional[Tensor] = None
+
+    def aux_losses(self) -> Dict[str, Tensor]:
+        return {"la": self.load_balancing_loss, "lz": self.router_z_loss}
+
+    def aux_loss(self, cfg, sample_size) -> Tensor:
+        """``alpha L_a + beta L_z`` (MoA, Sec. 3.3); with ``--moa-aux-loss-scale per-batch`` (the released
+        code) added once to the batch's summed loss, i.e. divided by ``sample_size`` here."""
+        term = cfg.moa_alpha * self.load_balancing_loss + cfg.moa_beta * self.router_z_loss
+        return term / max(sample_size, 1) if cfg.moa_aux_loss_scale == "per-batch" else term
+
+    def trains_router(self, cfg) -> bool:
+        return bool(cfg.moa_alpha or cfg.moa_beta)
 
 
 class TopKRouter(nn.Module):
@@ -83,7 +133,7 @@ class TopKRouter(nn.Module):
         else:
             nn.init.normal_(self.weight, std=self.weight.size(1) ** -0.5 if std is None else std)
 
-    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> Routing:
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> ExpertRouting:
         """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding."""
         logits = router_linear(x, self.weight)  # (N, E)
         probs = logits.softmax(dim=-1)
@@ -95,7 +145,7 @@ class TopKRouter(nn.Module):
         keep = None if padding_mask is None else (~padding_mask).to(probs.dtype)
         l_a, load = load_balancing_loss(probs, experts, keep)
         l_z = router_z_loss(logits, keep)
-        return Routing(experts, weights.to(x.dtype), l_a, l_z, load, probs)
+        return ExpertRouting(experts, weights.to(x.dtype), load, probs, l_a, l_z)
 
 
 def router_linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -144,27 +194,41 @@ def router_z_loss(logits: Tensor, keep: Optional[Tensor] = None) -> Tensor:
 
 
 @dataclass
-class HeadRouting:
-    """The MoH routing decision for N tokens over h = h_s shared + E routed heads.
-
-    shared_gates: (N, h_s) gates of the shared heads, or None when h_s = 0.
-    heads: (N, K) int64, the selected routed heads (0..E-1, most probable first), or None when K = 0.
-    routed_gates: (N, K) their gates, or None. Gates are in the input's dtype.
-    balance_loss: scalar L_b (float32); head_load: (E,) float32 (token, slot) assignments per
-    routed head, padding excluded; mean_alpha_shared: scalar mean alpha1 over real tokens;
-    learned: False for :class:`QueryNormHeadRouter`, whose L_b is a constant 0; probs: (N, E)
-    float32 probabilities over the routed heads, or None when K = 0.
+class HeadRouting(Routing):
+    """MoH's routing decision over h = h_s shared + E routed heads: ``selected``/``gates``/``load``/
+    ``probs`` as in :class:`Routing`, over the routed heads (0..E-1; None when K = 0), and
+    ``shared_gates`` (N, h_s) the shared heads' gates (None when h_s = 0); ``balance_loss`` L_b
+    (float32); ``mean_alpha_shared`` the mean alpha1 over real tokens; ``active_fraction`` (h_s + K) / h;
+    ``learned``: False for :class:`QueryNormHeadRouter`, whose L_b is a constant 0. The criterion
+    averages L_b over the MoH modules, as the authors' code does.
     """
 
+    family: ClassVar[str] = "MoH"
+    aux_reduction: ClassVar[str] = "mean"
+
+    selected: Optional[Tensor]
+    gates: Optional[Tensor]
+    load: Tensor
+    probs: Optional[Tensor]
     shared_gates: Optional[Tensor]
-    heads: Optional[Tensor]
-    routed_gates: Optional[Tensor]
     balance_loss: Tensor
-    head_load: Tensor
     mean_alpha_shared: Tensor
     active_fraction: float
-    learned: bool = True  # False for the parameter-free router: no L_b to train
-    probs: Optional[Tensor] = None
+    learned: bool = True
+
+    def aux_losses(self) -> Dict[str, Tensor]:
+        return {"lb": self.balance_loss}
+
+    def aux_loss(self, cfg, sample_size) -> Tensor:
+        """``moh_beta L_b`` (MoH, Sec. 3.3)."""
+        return cfg.moh_beta * self.balance_loss
+
+    def trains_router(self, cfg) -> bool:
+        return self.learned and bool(cfg.moh_beta)
+
+    def figures(self) -> Dict[str, Tensor]:
+        return {**super().figures(), "active": torch.tensor(self.active_fraction),
+                "alpha1": self.mean_alpha_shared.detach()}
 
 
 def check_head_counts(num_heads: int, shared_heads: int, top_k: int) -> int:
@@ -218,8 +282,12 @@ class TwoStageHeadRouter(nn.Module):
     def active_fraction(self) -> float:
         return (self.shared_heads + self.top_k) / self.num_heads
 
-    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> HeadRouting:
-        """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding."""
+    needs_routed_queries = False
+
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None,
+                routed_queries: Optional[Tensor] = None) -> HeadRouting:
+        """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding;
+        routed_queries: unused (the signature is :class:`QueryNormHeadRouter`'s)."""
         x32 = x.to(router_dtype(x))
         unit = self.gate_scale == "unit"
         keep = None if padding_mask is None else (~padding_mask).to(x32.dtype)
@@ -247,8 +315,7 @@ class TwoStageHeadRouter(nn.Module):
         n = _token_count(x32, keep)
         mean_alpha = (alpha_shared if keep is None else alpha_shared * keep).sum() / n
         cast = (lambda g: None if g is None else g.to(x.dtype))
-        return HeadRouting(cast(shared), heads, cast(routed), balance, load, mean_alpha, self.active_fraction,
-                           probs=probs)
+        return HeadRouting(heads, cast(routed), load, probs, cast(shared), balance, mean_alpha, self.active_fraction)
 
 
 class QueryNormHeadRouter(nn.Module):
@@ -278,12 +345,14 @@ class QueryNormHeadRouter(nn.Module):
     def active_fraction(self) -> float:
         return (self.shared_heads + self.top_k) / self.num_heads
 
-    def forward(self, routed_queries: Optional[Tensor], num_tokens: int,
-                padding_mask: Optional[Tensor] = None) -> HeadRouting:
-        """routed_queries: (N, E, D) the routed heads' queries (None when E = 0); padding_mask: (N,)."""
-        dtype = torch.float32 if routed_queries is None else routed_queries.dtype
-        device = None if routed_queries is None else routed_queries.device
-        shared = torch.ones(num_tokens, self.shared_heads, dtype=dtype, device=device) if self.shared_heads else None
+    needs_routed_queries = True  # the module projects them once, for the router and for attention
+
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None,
+                routed_queries: Optional[Tensor] = None) -> HeadRouting:
+        """x: (N, embed_dim) the query tokens; padding_mask: (N,) bool, True at padding;
+        routed_queries: (N, E, D) the routed heads' queries (None when E = 0)."""
+        dtype, device = x.dtype, x.device
+        shared = torch.ones(x.size(0), self.shared_heads, dtype=dtype, device=device) if self.shared_heads else None
         heads = routed = probs = None
         load = torch.zeros(self.routed_heads, device=device)
         if self.top_k:
@@ -294,5 +363,5 @@ class QueryNormHeadRouter(nn.Module):
             keep = None if padding_mask is None else (~padding_mask).to(probs.dtype)
             load = load_balancing_loss(probs, heads, keep)[1]
         alpha = torch.tensor(1.0 if self.shared_heads else 0.0, device=device)
-        return HeadRouting(shared, heads, routed, torch.zeros((), device=device), load, alpha, self.active_fraction,
-                           learned=False, probs=probs)
+        return HeadRouting(heads, routed, load, probs, shared, torch.zeros((), device=device), alpha,
+                           self.active_fraction, learned=False)

@@ -19,12 +19,17 @@ module's output, ``A_i V_i W_O^i`` (in d_model, so that heads with separate valu
 MoA's experts over one shared value head compare on the same footing).
 """
 
+import functools
 import math
 from collections import defaultdict
 from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+from fairseq.modules.multihead_attention import MultiheadAttention
+
+from moa.moh_attention import multihead_outputs
+from moa.routed_attention import RoutedAttention
 
 
 class ModuleRouting:
@@ -67,7 +72,7 @@ class ModuleRouting:
                    "load": (self.load / self.load.sum().clamp(min=1)).tolist(),
                    "router_entropy": self.entropy_sum / n, "max_entropy": math.log(self.num_experts),
                    "top_gate_weight": self.top_weight_sum / n}
-        if self.family == "MoH":
+        if self.active_fraction is not None:  # MoH
             figures.update(active_fraction=self.active_fraction, alpha1=self.alpha1_sum / n,
                            alpha2=1.0 - self.alpha1_sum / n)
         return figures
@@ -119,15 +124,15 @@ def top_choice_changes(modules: List[ModuleRouting]) -> Dict[str, float]:
 class HeadSimilarity:
     """Head similarity of one attention module, accumulated batch by batch."""
 
-    def __init__(self, name: str, kind: str, layer: int, heads: int):
-        self.name, self.kind, self.layer, self.heads = name, kind, layer, heads
+    def __init__(self, name: str, kind: str, layer: int):
+        self.name, self.kind, self.layer, self.heads = name, kind, layer, 0
         self.attention_sum = self.output_sum = 0.0
         self.count = 0
 
     def add(self, attention: torch.Tensor, outputs: torch.Tensor, keep: torch.Tensor) -> None:
         """attention: (B, H, T, S) every head's probabilities; outputs: (B, H, T, C) every head's
         ``A_i V_i W_O^i``; keep: (B, T) bool, False at padded queries."""
-        heads = attention.size(1)
+        heads = self.heads = attention.size(1)
         i, j = torch.triu_indices(heads, heads, offset=1)
         if not i.numel():
             return
@@ -145,33 +150,17 @@ class HeadSimilarity:
                 "attention_similarity": self.attention_sum / n, "output_cosine": self.output_sum / n}
 
 
-def every_head(module, query, key, key_padding_mask=None, attn_mask=None):
-    """(A, O): every head's (MoA: every expert's) attention probabilities (B, H, T, S) and
-    contributions to the output ``A_i V_i W_O^i`` (B, H, T, C), recomputed from the module's weights, for fairseq's
-    ``MultiheadAttention``, MoH and MoA. query: (T, B, C); key: (S, B, C_k)."""
-    from moa.attention_base import attention_bias
+@functools.singledispatch
+def head_outputs(module, query, key, key_padding_mask=None, attn_mask=None):
+    """(A, O): every head's (MoA: every expert's) attention probabilities (B, H, T, S) and contributions
+    to the output ``A_i V_i W_O^i`` (B, H, T, C), recomputed from the module's weights. query: (T, B, C);
+    key: (S, B, C_k). The routed modules say it themselves (``RoutedAttention.head_outputs``);
+    fairseq's ``MultiheadAttention`` has the parameters of MoH's heads (:func:`multihead_outputs`)."""
+    raise TypeError(f"{type(module).__name__} is not an attention module moa-analyze knows")
 
-    tgt_len, bsz, _ = query.shape
-    src_len = key.size(0)
-    if hasattr(module, "q_experts"):  # MoA: E query experts over one shared key/value head
-        heads, d = module.num_experts, module.head_dim
-        q = module.q_experts.fan_out(query.reshape(tgt_len * bsz, -1)).view(tgt_len, bsz, heads, d)
-        k = module.k_proj(key).view(src_len, bsz, 1, d)
-        v = module.v_proj(key).view(src_len, bsz, 1, d)
-        w_o = module.o_experts.weight  # (E, D, C)
-    else:
-        heads, d = module.num_heads, module.head_dim
-        q = module.q_proj(query).view(tgt_len, bsz, heads, d)
-        k = module.k_proj(key).view(src_len, bsz, heads, d)
-        v = module.v_proj(key).view(src_len, bsz, heads, d)
-        w_o = module.out_proj.weight.view(-1, heads, d).permute(1, 2, 0)  # (H, D, C)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (B, H or 1, len, D)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * d ** -0.5
-    bias = attention_bias(attn_mask, key_padding_mask, scores.dtype)
-    if bias is not None:
-        scores = scores + bias
-    attention = scores.softmax(dim=-1)
-    return attention, torch.matmul(torch.matmul(attention, v), w_o[None])
+
+head_outputs.register(MultiheadAttention, multihead_outputs)
+head_outputs.register(RoutedAttention, lambda module, *args: module.head_outputs(*args))
 
 
 def analyze(checkpoint: str, data_bin: str, subset: str, max_tokens: int = 4096, label: str = "",
@@ -182,12 +171,9 @@ def analyze(checkpoint: str, data_bin: str, subset: str, max_tokens: int = 4096,
     import sys
 
     from fairseq import checkpoint_utils
-    from fairseq.modules.multihead_attention import MultiheadAttention
     from tqdm import tqdm
 
-    from moa.attention_base import RoutedAttention
-    from moa.models.routed_transformer import attention_site
-    from moa.routing import HeadRouting
+    from moa.models.routed_transformer import attention_site, pop_named_routings
 
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([checkpoint], arg_overrides={"data": data_bin})
     model = models[0].eval()
@@ -196,22 +182,19 @@ def analyze(checkpoint: str, data_bin: str, subset: str, max_tokens: int = 4096,
     keep = {}
     similarity, hooks = [], []
     for name, module in model.named_modules():
-        if not isinstance(module, (MultiheadAttention, RoutedAttention)):
-            continue
         try:
             kind, layer = attention_site(name)
         except ValueError:
             continue
-        heads = module.num_experts if hasattr(module, "q_experts") else module.num_heads
-        measure = HeadSimilarity(name, kind, layer, heads)
+        measure = HeadSimilarity(name, kind, layer)
         similarity.append(measure)
 
         def hook(module, args, kwargs, measure=measure, side=kind.split("-")[0]):
             query = kwargs.get("query", args[0] if args else None)
             key = kwargs.get("key", args[1] if len(args) > 1 else None)
             with torch.no_grad():
-                attention, outputs = every_head(module, query, query if key is None else key,
-                                                kwargs.get("key_padding_mask"), kwargs.get("attn_mask"))
+                attention, outputs = head_outputs(module, query, query if key is None else key,
+                                                  kwargs.get("key_padding_mask"), kwargs.get("attn_mask"))
             measure.add(attention, outputs, keep[side])
 
         hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -228,24 +211,18 @@ def analyze(checkpoint: str, data_bin: str, subset: str, max_tokens: int = 4096,
                 keep["decoder"] = tokens["decoder"].ne(target.pad())
             with torch.no_grad():
                 model(**net_input)
-            for name, routing in (model.pop_named_routings() if hasattr(model, "pop_named_routings") else []):
+            for name, routing in pop_named_routings(model):
+                if routing.selected is None:  # every head shared: nothing routed
+                    continue
                 kind, layer = attention_site(name)
                 side = kind.split("-")[0]
                 flat_tokens = tokens[side].t().reshape(-1)  # time-first, as the routers see them
                 flat_keep = keep[side].t().reshape(-1)
-                if isinstance(routing, HeadRouting):
-                    if routing.heads is None:
-                        continue
-                    if name not in modules:
-                        modules[name] = ModuleRouting(name, kind, layer, "MoH", routing.probs.size(1),
-                                                      routing.heads.size(1), routing.active_fraction)
-                    modules[name].add(routing.heads, routing.probs, routing.routed_gates[:, 0], flat_keep,
-                                      flat_tokens, routing.mean_alpha_shared)
-                else:
-                    if name not in modules:
-                        modules[name] = ModuleRouting(name, kind, layer, "MoA", routing.probs.size(1),
-                                                      routing.experts.size(1))
-                    modules[name].add(routing.experts, routing.probs, routing.weights[:, 0], flat_keep, flat_tokens)
+                if name not in modules:
+                    modules[name] = ModuleRouting(name, kind, layer, routing.family, routing.probs.size(1),
+                                                  routing.selected.size(1), routing.active_fraction)
+                modules[name].add(routing.selected, routing.probs, routing.gates[:, 0], flat_keep, flat_tokens,
+                                  routing.mean_alpha_shared)
     finally:
         for handle in hooks:
             handle.remove()

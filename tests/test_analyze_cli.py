@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from moa_tools import USER_DIR
 from moa_tools.commands.demo import write_corpus
 

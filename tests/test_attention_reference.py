@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moa.attention import MixtureOfAttentionHeads
+from moa.moa_attention import MixtureOfAttentionHeads
 
 
 def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mask=None, attn_mask=None):
@@ -142,7 +142,7 @@ def test_projections_run_only_on_routed_rows(monkeypatch):
 
     monkeypatch.setattr(type(m.q_experts), "forward", counting)
     m(x, x, x)
-    load = m.routing.expert_load.long().tolist()
+    load = m.routing.load.long().tolist()
     assert seen == [(18 * 2, load), (18 * 2, load)]
 
 

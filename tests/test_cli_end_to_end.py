@@ -9,7 +9,7 @@ import pytest
 import sacrebleu
 import torch
 
-from conftest import run_cli
+from helpers import run_cli
 from moa.checkpoint_safety import fairseq_checkpoint_globals
 from moa_tools import USER_DIR
 from moa_tools.commands.demo import write_corpus

@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from helpers import ROOT, run_cli
 from moa_tools import USER_DIR
 from moa_tools.commands.demo import write_corpus
 
@@ -35,7 +35,7 @@ COMMON = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim
           "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "500", "--cpu",
           "--num-workers", "0", "--log-format", "json", "--log-interval", "1", "--no-epoch-checkpoints",
           "--seed", "3", "--disable-validation", "--max-update", "6", "--save-interval-updates", "3"]
-LOGGED = {"loss": 1e-3, "nll_loss": 1e-3, "moa_aux": 1e-4, "moa_la": 1e-4, "moa_lz": 1e-4, "moa_load_cv": 1e-4,
+LOGGED = {"loss": 1e-3, "nll_loss": 1e-3, "aux_loss": 1e-4, "moa_la": 1e-4, "moa_lz": 1e-4, "moa_load_cv": 1e-4,
           "moh_lb": 1e-4, "moh_active": 1e-4, "moh_alpha1": 1e-4, "moh_load_cv": 1e-4, "wpb": 0, "bsz": 0}
 
 
@@ -159,7 +159,7 @@ WORKER = textwrap.dedent("""
 def routed_module(kind):
     """A self-attention MoA (4 experts, top-1) or MoH (1 shared + top-1 of 3) module whose router
     sends a token along input axis e to expert (routed head) e."""
-    from moa.attention import MixtureOfAttentionHeads
+    from moa.moa_attention import MixtureOfAttentionHeads
     from moa.moh_attention import MixtureOfHeadsAttention
 
     torch.manual_seed(0)
@@ -188,9 +188,9 @@ def module_loss(wrapped, module, x):
     y, _ = wrapped(x, x, x)
     routing = module.routing
     if hasattr(routing, "load_balancing_loss"):
-        aux, used = 0.01 * routing.load_balancing_loss + 0.001 * routing.router_z_loss, routing.experts
+        aux, used = 0.01 * routing.load_balancing_loss + 0.001 * routing.router_z_loss, routing.selected
     else:
-        aux, used = 0.01 * routing.balance_loss, routing.heads
+        aux, used = 0.01 * routing.balance_loss, routing.selected
     return y.pow(2).mean() + aux, sorted(set(used.reshape(-1).tolist()))
 
 

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_cli
+from helpers import run_cli
 from moa_tools import USER_DIR
 from moa_tools.commands.demo import write_corpus
 

@@ -2,7 +2,8 @@
 
 import torch
 
-from moa.experts import ExpertDispatch, expert_linear
+from moa.dispatch import ExpertDispatch
+from moa.experts import expert_linear
 
 
 def _naive(x, weight, bias, src, dst, group_sizes, out_rows, scale=None):

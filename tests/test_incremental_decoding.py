@@ -4,8 +4,8 @@ MoA and MoH models."""
 import pytest
 import torch
 
-from conftest import build_model
-from moa.attention import MixtureOfAttentionHeads
+from helpers import build_model
+from moa.moa_attention import MixtureOfAttentionHeads
 
 MODELS = {"moa-routed-2of4": ("moa_small", ["--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8"]),
           "moa-dense-4of4": ("moa_small", ["--moa-experts", "4", "--moa-top-k", "4", "--moa-head-dim", "8"]),

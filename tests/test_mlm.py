@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, needs_shared, run_cli
+from helpers import ROOT, needs_shared, run_cli
 from moa_tools import USER_DIR
 
 needs_wikitext, WIKITEXT2_VALID = needs_shared("wikitext-2", "wiki.valid.tokens")
@@ -94,7 +94,7 @@ def test_training_logs_mlm_and_moa_figures(trained):
     last = [line for line in trained["log"].splitlines() if "| train |" in line][-1]
     figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
     assert int(figures["num_updates"]) == 12
-    la, lz, aux = float(figures["moa_la"]), float(figures["moa_lz"]), float(figures["moa_aux"])
+    la, lz, aux = float(figures["moa_la"]), float(figures["moa_lz"]), float(figures["aux_loss"])
     assert la >= 1.0 - 1e-3
     # 2 MoA modules, --moa-alpha 0.02 --moa-beta 0.002, logged in bits like fairseq's loss
     assert aux == pytest.approx(2 * (0.02 * la + 0.002 * lz) / math.log(2), rel=0.01)
@@ -105,7 +105,7 @@ def test_moh_training_logs_its_figures_and_resumes(trained_moh):
     last = [line for line in trained_moh["log"].splitlines() if "| train |" in line][-1]
     figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
     assert int(figures["num_updates"]) == 12 and "moa_la" not in figures
-    lb, aux = float(figures["moh_lb"]), float(figures["moa_aux"])
+    lb, aux = float(figures["moh_lb"]), float(figures["aux_loss"])
     # 1 shared + top-2 of 3 routed: L_b = sum P f >= K / E at balance; 2 modules averaged, --moh-beta 0.05
     assert lb >= 2 / 3 - 1e-3 and float(figures["moh_active"]) == pytest.approx(0.75)
     assert aux == pytest.approx(0.05 * lb / math.log(2), rel=0.01)

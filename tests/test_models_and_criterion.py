@@ -5,8 +5,8 @@ import torch
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from conftest import TINY, TINY_SHAPE, build_model, translation_sample
-from moa.attention import MixtureOfAttentionHeads
+from helpers import TINY, TINY_SHAPE, build_model, translation_sample
+from moa.moa_attention import MixtureOfAttentionHeads
 
 
 
@@ -49,10 +49,21 @@ def test_impossible_top_k_names_the_flags():
         build_model("moa_small", 40, TINY + ["--moa-top-k", "5"])
 
 
-def _criterion(model, alpha, beta):
+def _criterion(model, alpha, beta, scale=None):
     task = type("Task", (), {"target_dictionary": model.decoder.dictionary})()
     return CRITERION_REGISTRY["moa_label_smoothed_cross_entropy"](
-        task, sentence_avg=False, label_smoothing=0.1, moa_alpha=alpha, moa_beta=beta)
+        task, sentence_avg=False, label_smoothing=0.1, moa_alpha=alpha, moa_beta=beta, moa_aux_loss_scale=scale)
+
+
+def _criterion_config(extra):
+    """The criterion config fairseq-train builds from a command line (arch presets applied)."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "data-bin", "--task", "translation", "--arch", "moa_small", "--criterion",
+        "moa_label_smoothed_cross_entropy", *extra])
+    return convert_namespace_to_omegaconf(args).criterion
 
 
 def test_criterion_adds_aux_losses_with_exact_per_token_weights():
@@ -72,7 +83,7 @@ def test_criterion_adds_aux_losses_with_exact_per_token_weights():
     torch.testing.assert_close(log["moa_la"] / sample_size, l_a / 6)
     # the logged loss stays the pure translation loss, as a Transformer's criterion logs it
     torch.testing.assert_close(log["loss"], base_log["loss"])
-    torch.testing.assert_close(log["moa_aux"], (loss - base_loss).detach())
+    torch.testing.assert_close(log["aux_loss"], (loss - base_loss).detach())
 
 
 def test_cross_attention_routing_ignores_target_padding():
@@ -84,7 +95,7 @@ def test_cross_attention_routing_ignores_target_padding():
     cross = [m for m in model.modules() if isinstance(m, MixtureOfAttentionHeads) and m.encoder_decoder_attention]
     real_tokens = int(sample["net_input"]["prev_output_tokens"].ne(pad).sum())
     for m in cross:
-        assert m.routing.expert_load.sum().item() == real_tokens * m.top_k
+        assert m.routing.load.sum().item() == real_tokens * m.top_k
         assert m.query_padding_mask is None  # the decoder clears what it set
 
 
@@ -98,8 +109,13 @@ def test_defaults_and_the_released_code_preset_and_explicit_flags_win():
                                       (released, "raw", "zeros", "per-batch"),
                                       (mixed, "renormalized", "zeros", "per-batch")):
         router = model.encoder.layers[0].self_attn.router
-        assert (router.gate_weights, router.init, model.args.moa_aux_loss_scale) == (gates, init, scale)
+        assert (router.gate_weights, router.init) == (gates, init)
         assert (router.weight.abs().sum() == 0) == (init == "zeros")
+    # the loss scale is the criterion's flag; the preset sets it through fairseq's own parsing
+    for extra, scale in (([], "per-token"), (["--moa-released-code"], "per-batch"),
+                         (["--moa-released-code", "--moa-aux-loss-scale", "per-token"], "per-token"),
+                         (["--moa-aux-loss-scale", "per-batch"], "per-batch")):
+        assert _criterion_config(extra).moa_aux_loss_scale == scale
     zero = build_model("moa_roberta_small", 40, ["--encoder-layers", "1"])
     assert zero.encoder.sentence_encoder.layers[0].self_attn.router.weight.abs().sum() == 0  # after BERT's init
     drawn = build_model("moa_roberta_small", 40, ["--encoder-layers", "1", "--moa-router-init", "normal"])
@@ -108,12 +124,12 @@ def test_defaults_and_the_released_code_preset_and_explicit_flags_win():
 
 def test_per_batch_aux_loss_scale_divides_the_aux_weight_by_the_batch_tokens():
     torch.manual_seed(0)
-    model = build_model("moa_small", 40, TINY + ["--moa-aux-loss-scale", "per-batch"])
+    model = build_model("moa_small", 40, TINY)
     sample = translation_sample(model.decoder.padding_idx)
     model(**sample["net_input"])
     routings = model.pop_routings()
-    base, sample_size, _ = _criterion(model, 0.0, 0.0)(model, sample)
-    loss, _, log = _criterion(model, 0.01, 0.001)(model, sample)
+    base, sample_size, _ = _criterion(model, 0.0, 0.0, "per-batch")(model, sample)
+    loss, _, log = _criterion(model, 0.01, 0.001, "per-batch")(model, sample)
     aux = sum(0.01 * r.load_balancing_loss + 0.001 * r.router_z_loss for r in routings)
     torch.testing.assert_close(loss - base, aux)  # added once to the summed loss, as the released code does
     torch.testing.assert_close(loss / sample_size, base / sample_size + aux / sample_size)

@@ -191,13 +191,13 @@ def test_balance_loss_matches_hand_computation_and_ignores_padding(balance_loss,
     mean_p = [sum(p[i] for p in probs) / 4 for i in range(3)]
     want = scale * sum(fi * pi for fi, pi in zip(f, mean_p))
     routing = router(torch.tensor(tokens))
-    assert routing.heads.flatten().tolist() == [0, 1, 0, 2]
+    assert routing.selected.flatten().tolist() == [0, 1, 0, 2]
     assert routing.balance_loss.item() == pytest.approx(want, rel=1e-6)
-    assert routing.head_load.tolist() == [2.0, 1.0, 1.0]
+    assert routing.load.tolist() == [2.0, 1.0, 1.0]
     padded = router(torch.tensor(tokens + [[9.0, -3.0, 5.0]] * 2),
                     torch.tensor([False] * 4 + [True] * 2))
     assert padded.balance_loss.item() == pytest.approx(want, rel=1e-6)
-    assert padded.head_load.tolist() == [2.0, 1.0, 1.0]
+    assert padded.load.tolist() == [2.0, 1.0, 1.0]
     uniform = TwoStageHeadRouter(3, 4, 1, 1, balance_loss=balance_loss)
     torch.nn.init.zeros_(uniform.routed.weight)
     assert uniform(torch.randn(6, 3)).balance_loss.item() == pytest.approx(scale * 1 / 3)  # K/E, or K

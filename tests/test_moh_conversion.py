@@ -11,7 +11,7 @@ import torch
 from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import translation_sample
+from helpers import translation_sample
 from moa.models.build import build_from_args, dictionary_of_size, model_args
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa_tools.commands.convert_moh import main as convert_main
@@ -101,7 +101,7 @@ def test_learned_conversion_starts_every_active_head_at_a_gate_of_one(transforme
     assert len(router_weights) == 18 and all(w.abs().sum() == 0 for w in router_weights)
     _, attn = _moh_layer(state)
     routing = attn.router(torch.randn(10, 32))
-    assert torch.equal(routing.shared_gates, torch.ones(10, 2)) and torch.equal(routing.routed_gates, torch.ones(10, 1))
+    assert torch.equal(routing.shared_gates, torch.ones(10, 2)) and torch.equal(routing.gates, torch.ones(10, 1))
 
 
 def test_query_norm_router_selects_the_largest_query_and_sparse_equals_dense(transformer):
@@ -116,8 +116,8 @@ def test_query_norm_router_selects_the_largest_query_and_sparse_equals_dense(tra
     for dense in (False, True):
         attn.compute_all_heads = dense
         y, _ = attn(x, x, x)
-        assert torch.equal(attn.routing.heads[:, 0], expected_heads)
-        assert torch.equal(attn.routing.routed_gates, torch.ones(14, 1, dtype=torch.float64))
+        assert torch.equal(attn.routing.selected[:, 0], expected_heads)
+        assert torch.equal(attn.routing.gates, torch.ones(14, 1, dtype=torch.float64))
         outputs.append(y)
         grads.append(torch.autograd.grad(y.square().sum(), [x, attn.q_proj.weight]))
     assert torch.allclose(outputs[0], outputs[1], atol=1e-12)

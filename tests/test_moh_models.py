@@ -6,7 +6,7 @@ import torch
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from conftest import TINY_MOH, build_model, translation_sample
+from helpers import TINY_MOH, build_model, translation_sample
 from moa.moh_attention import MixtureOfHeadsAttention
 
 
@@ -88,4 +88,4 @@ def test_criterion_adds_the_mean_balance_loss_with_an_exact_per_token_weight(bal
     cross = [m for m in model.modules() if isinstance(m, MixtureOfHeadsAttention) and m.encoder_decoder_attention]
     model(**sample["net_input"])
     for m in cross:  # cross-attention routing skips target padding
-        assert m.routing.head_load.sum().item() == real * m.top_k
+        assert m.routing.load.sum().item() == real * m.top_k

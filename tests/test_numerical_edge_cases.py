@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from conftest import TINY, TINY_MOH, build_model, translation_sample
-from moa.attention import MixtureOfAttentionHeads
+from helpers import TINY, TINY_MOH, build_model, translation_sample
+from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routing import TopKRouter, TwoStageHeadRouter
 from test_attention_reference import reference_moa
@@ -29,13 +29,13 @@ def _routers():
 
 
 def _choices(routing):
-    return routing.experts if hasattr(routing, "experts") else routing.heads
+    return routing.selected
 
 
 def _figures(routing):
-    if hasattr(routing, "router_z_loss"):
-        return [routing.weights, routing.load_balancing_loss, routing.router_z_loss]
-    return [routing.shared_gates, routing.routed_gates, routing.balance_loss, routing.mean_alpha_shared]
+    """Every float the routing carries: gates, auxiliary losses and (MoH) the shared gates and alpha1."""
+    extra = [] if routing.mean_alpha_shared is None else [routing.shared_gates, routing.mean_alpha_shared]
+    return [routing.gates, *routing.aux_losses().values(), *extra]
 
 
 @pytest.mark.parametrize("scale", [1e3, 1e6])
@@ -69,12 +69,12 @@ def test_tied_logits_route_deterministically_with_the_exact_losses():
             for p in router.parameters():
                 p.zero_()
     routing = moa_router(x)
-    assert (routing.experts == routing.experts[0]).all() and torch.equal(routing.experts, moa_router(x).experts)
-    torch.testing.assert_close(routing.weights, torch.full((10, 2), 0.5))
+    assert (routing.selected == routing.selected[0]).all() and torch.equal(routing.selected, moa_router(x).selected)
+    torch.testing.assert_close(routing.gates, torch.full((10, 2), 0.5))
     torch.testing.assert_close(routing.load_balancing_loss, torch.tensor(1.0))
     torch.testing.assert_close(routing.router_z_loss, torch.tensor(math.log(4) ** 2))
     heads = moh_router(x)
-    assert (heads.heads == heads.heads[0]).all() and torch.isfinite(heads.balance_loss)
+    assert (heads.selected == heads.selected[0]).all() and torch.isfinite(heads.balance_loss)
     torch.testing.assert_close(heads.mean_alpha_shared, torch.tensor(0.5))
 
 
@@ -86,7 +86,7 @@ def test_underflowing_gates_still_give_the_top_experts_output():
         m.router.weight.mul_(1e4)
     x = torch.randn(5, 2, 16, dtype=torch.float64)
     y, _ = m(x, x, x)
-    assert (m.routing.weights[:, 1] == 0).all()
+    assert (m.routing.gates[:, 1] == 0).all()
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y, reference_moa(m, x, x, x))
 
@@ -97,11 +97,10 @@ def test_an_all_padding_batch_has_zero_auxiliary_losses_and_finite_outputs():
         routing = router(torch.randn(8, 16), padding)
         figures = _figures(routing)
         assert all(torch.isfinite(f).all() for f in figures)
-        loss = getattr(routing, "load_balancing_loss", None)
-        for value in ([routing.load_balancing_loss, routing.router_z_loss] if loss is not None
-                      else [routing.balance_loss, routing.mean_alpha_shared]):
+        extra = [] if routing.mean_alpha_shared is None else [routing.mean_alpha_shared]
+        for value in [*routing.aux_losses().values(), *extra]:
             assert value.item() == 0.0
-        assert (getattr(routing, "expert_load", None) if loss is not None else routing.head_load).sum() == 0
+        assert routing.load.sum() == 0
     # cross-attention whose every query is padding (the keys are real): finite outputs, nothing routed
     for module in (_moa(), _moh()):
         module.self_attention, module.encoder_decoder_attention = False, True
@@ -109,8 +108,7 @@ def test_an_all_padding_batch_has_zero_auxiliary_losses_and_finite_outputs():
         module.query_padding_mask = torch.ones(2, 3, dtype=torch.bool)
         y, _ = module(q, kv, kv, static_kv=True)
         assert torch.isfinite(y).all()
-        load = module.routing.expert_load if isinstance(module, MixtureOfAttentionHeads) else module.routing.head_load
-        assert load.sum() == 0
+        assert module.routing.load.sum() == 0
 
 
 @pytest.mark.parametrize("length", [1, 1200])

@@ -7,11 +7,12 @@ import pytest
 import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from conftest import TINY, build_model, translation_sample
-from moa.criterions.aux_loss import log_module_figures, routing_aux_loss, RoutingLossConfig
+from helpers import TINY, build_model, translation_sample
+from moa.criterions.aux_loss import RoutingLossConfig, log_module_figures, routing_aux_loss
 from moa.models.routed_transformer import attention_site
 from moa.moh_attention import MixtureOfHeadsAttention
-from moa_tools.routing_analysis import HeadSimilarity, ModuleRouting, every_head, pmi_table, top_choice_changes
+from moa.moa_attention import MixtureOfAttentionHeads
+from moa_tools.routing_analysis import HeadSimilarity, ModuleRouting, head_outputs, pmi_table, top_choice_changes
 
 
 def test_uniform_routing_has_entropy_log_e_and_load_one_over_e_and_padding_is_left_out():
@@ -58,7 +59,7 @@ def test_top_choice_changes_between_neighbouring_layers_of_one_type():
 
 
 def test_head_similarity_is_one_for_equal_heads_and_zero_for_disjoint_ones():
-    equal = HeadSimilarity("x", "encoder-self", 0, 2)
+    equal = HeadSimilarity("x", "encoder-self", 0)
     pattern = torch.softmax(torch.randn(2, 1, 3, 5), dim=-1).expand(-1, 2, -1, -1)
     outputs = torch.randn(2, 1, 3, 8).expand(-1, 2, -1, -1)
     keep = torch.tensor([[True, True, False], [True, False, False]])
@@ -67,7 +68,7 @@ def test_head_similarity_is_one_for_equal_heads_and_zero_for_disjoint_ones():
     assert equal.summary()["output_cosine"] == pytest.approx(1.0)
     assert equal.count == 3  # pairs x kept queries
 
-    disjoint = HeadSimilarity("x", "encoder-self", 0, 2)
+    disjoint = HeadSimilarity("x", "encoder-self", 0)
     one_hot = torch.zeros(1, 2, 1, 4)
     one_hot[0, 0, 0, 0] = one_hot[0, 1, 0, 3] = 1.0
     disjoint.add(one_hot, torch.tensor([[1.0, 0], [0, 1.0]]).view(1, 2, 1, 2), torch.ones(1, 1, dtype=torch.bool))
@@ -91,10 +92,26 @@ def test_every_head_recomputes_the_modules_weights_and_output(kind):
     padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
     future = torch.triu(torch.full((5, 5), float("-inf"), dtype=dtype), 1)
     y, weights = module(x, x, x, key_padding_mask=padding, attn_mask=future, need_weights=True, need_head_weights=True)
-    attention, outputs = every_head(module, x, x, padding, future)
+    attention, outputs = head_outputs(module, x, x, padding, future)
     atol = 1e-5 if kind == "mha" else 1e-12
     assert torch.allclose(attention, weights.transpose(0, 1), atol=atol)  # fairseq: (H, B, T, S)
     assert torch.allclose(outputs.sum(dim=1).transpose(0, 1) + module.out_proj.bias, y, atol=atol)
+
+
+def test_moa_expert_outputs_gated_by_the_routing_are_the_modules_output():
+    torch.manual_seed(3)
+    module = MixtureOfAttentionHeads(16, 6, 2, 8, self_attention=True).double().eval()  # drawn router: routed
+    x = torch.randn(5, 2, 16, dtype=torch.float64)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    future = torch.triu(torch.full((5, 5), float("-inf"), dtype=torch.float64), 1)
+    y, _ = module(x, x, x, key_padding_mask=padding, attn_mask=future, need_weights=False)
+    attention, outputs = head_outputs(module, x, x, padding, future)  # (B, E, T, S), (B, E, T, C)
+    assert attention.shape == (2, 6, 5, 5) and outputs.shape == (2, 6, 5, 16)
+    routing = module.routing  # tokens time-first: n = t * B + b
+    per_token = outputs.permute(2, 0, 1, 3).reshape(10, 6, 16)  # (T * B, E, C)
+    chosen = per_token.gather(1, routing.selected[..., None].expand(-1, -1, 16))  # (N, k, C)
+    assert len(set(routing.selected[:, 0].tolist())) > 1  # tokens really route to different experts
+    torch.testing.assert_close((routing.gates[..., None] * chosen).sum(1).view(5, 2, 16), y)
 
 
 def test_attention_sites_by_module_name():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moa.attention import MixtureOfAttentionHeads
+from moa.moa_attention import MixtureOfAttentionHeads
 from moa.routing import TopKRouter
 
 
@@ -30,10 +30,10 @@ def test_aux_losses_match_hand_computation():
     mean_p = [sum(p[i] for p in probs) / 3 for i in range(2)]
     want_la = 2 * sum(fi * pi for fi, pi in zip(f, mean_p))
     want_lz = sum(math.log(sum(math.exp(v) for v in t)) ** 2 for t in tokens) / 3
-    assert routing.experts.flatten().tolist() == [0, 1, 0]
+    assert routing.selected.flatten().tolist() == [0, 1, 0]
     assert routing.load_balancing_loss.item() == pytest.approx(want_la, rel=1e-6)
     assert routing.router_z_loss.item() == pytest.approx(want_lz, rel=1e-6)
-    assert routing.expert_load.tolist() == [2.0, 1.0]
+    assert routing.load.tolist() == [2.0, 1.0]
 
 
 def test_padding_does_not_change_aux_losses():
@@ -46,7 +46,7 @@ def test_padding_does_not_change_aux_losses():
     padded = router(padded_x, padding)
     torch.testing.assert_close(padded.load_balancing_loss, clean.load_balancing_loss)
     torch.testing.assert_close(padded.router_z_loss, clean.router_z_loss)
-    torch.testing.assert_close(padded.expert_load, clean.expert_load)
+    torch.testing.assert_close(padded.load, clean.load)
 
 
 def test_padding_is_excluded_inside_the_attention_module():
@@ -66,28 +66,28 @@ def test_renormalised_weights_sum_to_one_and_detach_the_denominator():
     router = _router(torch.randn(6, 8), top_k=3)
     x = torch.randn(4, 8)
     routing = router(x)
-    torch.testing.assert_close(routing.weights.sum(-1), torch.ones(4))
+    torch.testing.assert_close(routing.gates.sum(-1), torch.ones(4))
     # d w_0 / d p_0 is 1 / sum(top p) (denominator detached), not (sum - p_0) / sum^2.
     probs = torch.softmax(x @ router.weight.detach().T, -1)
     top = probs.topk(3).values
     raw = _router(router.weight.detach(), 3, "raw")(x)
-    torch.testing.assert_close(raw.weights, top)
-    torch.testing.assert_close(routing.weights, top / top.sum(-1, keepdim=True))
+    torch.testing.assert_close(raw.gates, top)
+    torch.testing.assert_close(routing.gates, top / top.sum(-1, keepdim=True))
 
 
 def test_all_experts_selected_balances_trivially():
     router = _router(torch.randn(4, 8), top_k=4)
     routing = router(torch.randn(10, 8))
     assert routing.load_balancing_loss.item() == pytest.approx(1.0, rel=1e-6)  # f_i = 1/E, sum P_i = 1
-    assert routing.expert_load.tolist() == [10.0] * 4
+    assert routing.load.tolist() == [10.0] * 4
 
 
 def test_one_dominant_expert():
     weight = torch.zeros(4, 8)
     weight[2] = 5.0
     routing = _router(weight, top_k=1)(torch.ones(6, 8))
-    assert routing.experts.flatten().tolist() == [2] * 6
-    assert routing.expert_load.tolist() == [0.0, 0.0, 6.0, 0.0]
+    assert routing.selected.flatten().tolist() == [2] * 6
+    assert routing.load.tolist() == [0.0, 0.0, 6.0, 0.0]
     # f = (0,0,1,0), P_2 ~ 1: L_a approaches E = 4, the most unbalanced value.
     assert routing.load_balancing_loss.item() == pytest.approx(4.0, rel=1e-6)
 
@@ -100,7 +100,7 @@ def test_expert_without_tokens_gets_zero_gradient():
         m.router.weight[1] = 3.0  # every token picks expert 1
     x = torch.rand(5, 2, 16) + 0.5
     y, _ = m(x, x, x)
-    assert m.routing.expert_load.tolist() == [0.0, 10.0, 0.0, 0.0]
+    assert m.routing.load.tolist() == [0.0, 10.0, 0.0, 0.0]
     y.square().sum().backward()
     def grad(experts, e):
         return experts.weight.grad.select(experts.expert_dim, e)

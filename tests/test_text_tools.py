@@ -8,7 +8,7 @@ import sys
 import pytest
 import sentencepiece as spm
 
-from conftest import needs_shared, sacrebleu_sgm_text
+from helpers import needs_shared, sacrebleu_sgm_text
 from moa_tools.commands import corpus
 from moa_tools.corpora import sgm_segments
 from moa_tools.textio import read_lines, write_lines_atomically

@@ -9,7 +9,7 @@ import pytest
 import sacrebleu
 import sentencepiece as spm
 
-from conftest import ROOT, needs_shared, run_cli
+from helpers import ROOT, needs_shared, run_cli
 from moa_tools.scoring import read_hypotheses
 from moa_tools.textio import read_lines
 

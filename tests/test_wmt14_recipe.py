@@ -13,7 +13,7 @@ import tarfile
 
 import pytest
 
-from conftest import ROOT, needs_shared, run_cli, sacrebleu_sgm_text
+from helpers import ROOT, needs_shared, run_cli, sacrebleu_sgm_text
 from moa_tools.corpora import sgm_segments
 
 SCRIPTS = os.path.join(ROOT, "examples", "translation")

@@ -8,7 +8,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from moa.criterions.aux_loss import RoutingLossConfig, model_routings, reduce_routing_metrics, routing_terms
+from moa.criterions.aux_loss import RoutingLossConfig, reduce_routing_metrics, routing_terms
+from moa.models.routed_transformer import pop_named_routings
 
 
 @dataclass
@@ -21,19 +22,20 @@ class MoALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     """Optimises label-smoothed CE + the routers' auxiliary losses (:mod:`moa.criterions.aux_loss`), per target token.
 
     The logged ``loss`` and ``nll_loss`` (base 2) and ``ppl`` stay fairseq's pure translation
-    figures, so validation loss and ``checkpoint_best`` compare with a Transformer's; ``moa_aux``
-    (base 2) is the auxiliary part that training adds, and ``moa_la``, ``moa_lz``, ``moa_load_cv``
-    the routing figures.
+    figures, so validation loss and ``checkpoint_best`` compare with a Transformer's; ``aux_loss``
+    (base 2) is the auxiliary part that training adds, and ``moa_la``, ``moa_lz``, ``moa_load_cv``,
+    ``moh_lb``, ``moh_active``, ``moh_alpha1``, ``moh_load_cv`` the routing figures.
     """
 
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 moa_alpha=0.01, moa_beta=0.001, moh_beta=0.01, log_routing_by_module=False):
+                 moa_alpha=0.01, moa_beta=0.001, moa_aux_loss_scale=None, moh_beta=0.01, log_routing_by_module=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.routing_cfg = RoutingLossConfig(moa_alpha=moa_alpha, moa_beta=moa_beta, moh_beta=moh_beta,
+        self.routing_cfg = RoutingLossConfig(moa_alpha=moa_alpha, moa_beta=moa_beta,
+                                             moa_aux_loss_scale=moa_aux_loss_scale, moh_beta=moh_beta,
                                              log_routing_by_module=log_routing_by_module)
 
     def forward(self, model, sample, reduce=True):
-        model_routings(model)  # drop anything recorded outside this criterion
+        pop_named_routings(model)  # drop anything recorded outside this criterion
         loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         aux = routing_terms(model, sample_size, self.routing_cfg, logging_output)
         return (loss + aux if reduce else loss), sample_size, logging_output

@@ -17,7 +17,7 @@ from fairseq.models.roberta.model import base_architecture as roberta_base_archi
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 from torch import nn
 
-from moa.attention import MixtureOfAttentionHeads
+from moa.moa_attention import MixtureOfAttentionHeads
 from moa.models.moa_transformer import add_moa_args, check_moa_args, moa_layer_config, set_moa_defaults
 from moa.models.routed_transformer import (RoutedModel, RoutedTransformerEncoder, add_activation_checkpointing_args,
                                            small_roberta_shape)

@@ -1,7 +1,7 @@
 """``moa_transformer``: fairseq's Transformer with Mixture-of-Attention-heads layers.
 
 The model subclasses fairseq's ``TransformerModel``; its encoder and decoder are the routed ones of
-:mod:`moa.models.routed_transformer`, building :class:`~moa.attention.MixtureOfAttentionHeads` in
+:mod:`moa.models.routed_transformer`, building :class:`~moa.moa_attention.MixtureOfAttentionHeads` in
 the attention types ``--moa-attention-types`` names.
 
 Archs (all d_model 512, FFN 2048, 6+6 layers except ``moa_small``):
@@ -14,20 +14,19 @@ Archs (all d_model 512, FFN 2048, 6+6 layers except ``moa_small``):
 ``--moa-attention-types`` and ``--moa-attention-bias`` override any arch. Where the authors'
 released code departs from the paper (raw gate weights, the auxiliary losses added once per batch)
 or fills in what the paper leaves open (a zero-initialised router), ``--moa-gate-weights``,
-``--moa-aux-loss-scale`` and ``--moa-router-init`` choose, and ``--moa-released-code`` takes all three
-of the code's choices. The defaults are the paper's gates and loss scale with the code's zero router,
-which measured best on Multi30k (benchmarks/README.md, "Why MoA trails").
+``--moa-router-init`` and the criterion's ``--moa-aux-loss-scale`` choose, and ``--moa-released-code``
+takes all three of the code's choices. The defaults are the paper's gates and loss scale with the
+code's zero router.
 """
 
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 
-from moa.attention import MixtureOfAttentionHeads
+from moa.moa_attention import MixtureOfAttentionHeads
 from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, parse_attention_types,
                                            routed_layer_config, small_translation_shape)
 from moa.routing import GATE_WEIGHTS, ROUTER_INITS
 
-AUX_LOSS_SCALES = ("per-token", "per-batch")
 RELEASED_CODE = {"moa_gate_weights": "raw", "moa_router_init": "zeros", "moa_aux_loss_scale": "per-batch"}
 DEFAULTS = {"moa_gate_weights": "renormalized", "moa_router_init": "zeros", "moa_aux_loss_scale": "per-token"}
 
@@ -42,17 +41,12 @@ def add_moa_args(parser):
                              "raw: the softmax probabilities, as in the authors' released code")
     parser.add_argument("--moa-router-init", choices=ROUTER_INITS,
                         help="zeros: W_g = 0, every token starts with uniform routing, as in the authors' "
-                             "released code (default: the paper names no initialisation, and zeros measured best); "
+                             "released code (default; the paper names no initialisation); "
                              "normal: W_g ~ N(0, 1/d_model)")
-    parser.add_argument("--moa-aux-loss-scale", choices=AUX_LOSS_SCALES,
-                        help="per-token: --moa-alpha/--moa-beta weigh L_a/L_z against the per-token task loss, "
-                             "as the paper writes the objective (default); per-batch: alpha L_a + beta L_z is added "
-                             "once to the batch's summed loss, as the released code does, which after fairseq's "
-                             "division by the token count weighs it 1/tokens-per-batch as much")
     parser.add_argument("--moa-released-code", action="store_true",
                         help="all of the released code's choices where it departs from the paper: "
-                             "--moa-gate-weights raw --moa-router-init zeros --moa-aux-loss-scale per-batch "
-                             "(flags given explicitly win)")
+                             "--moa-gate-weights raw --moa-router-init zeros and the criterion's "
+                             "--moa-aux-loss-scale per-batch (flags given explicitly win)")
     parser.add_argument("--moa-attention-types", type=str, metavar="LIST",
                         help="comma-separated attention types that use MoA, of " + ",".join(ATTENTION_TYPES)
                              + " (default: all); the others are fairseq multi-head attention")
@@ -113,7 +107,8 @@ class MoATransformerModel(RoutedTransformerModel):
 
 
 def set_moa_defaults(args, experts, top_k, head_dim):
-    """Fill the MoA flags the user did not give."""
+    """Fill the MoA flags the user did not give; ``moa_aux_loss_scale`` is the criterion's flag, which
+    ``--moa-released-code`` sets here (arch functions run before fairseq builds the criterion's config)."""
     args.moa_experts = getattr(args, "moa_experts", experts)
     args.moa_top_k = getattr(args, "moa_top_k", top_k)
     args.moa_head_dim = getattr(args, "moa_head_dim", head_dim)

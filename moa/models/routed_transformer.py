@@ -7,7 +7,7 @@ losses' gradient. Which module a routed attention type gets is the model's choic
 :func:`routed_layer_config` puts the parsed attention types and a builder on fairseq's layer config.
 
 :class:`RoutedModel` is how a model hands its routing decisions (and so its auxiliary losses) to the
-criterion: ``model.pop_routings()``.
+criterion: :func:`pop_named_routings`.
 """
 
 import re
@@ -16,9 +16,11 @@ from typing import Callable, List, Tuple
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerEncoderBase, TransformerModel
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from torch import nn
 
 from moa.activation_checkpointing import checkpoint_routed_layer
-from moa.attention_base import RoutedAttention
+from moa.routed_attention import RoutedAttention
+from moa.routing import Routing
 
 ATTENTION_TYPES = ("encoder-self", "decoder-self", "decoder-cross")
 
@@ -142,19 +144,24 @@ class RoutedModel:
         check_dictionary_sizes(self.state_dict(), state_dict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
-    def pop_routings(self) -> List:
-        """The :class:`~moa.routing.Routing` / :class:`~moa.routing.HeadRouting` of every routed
-        module since the last call, clearing them."""
-        return [routing for _, routing in self.pop_named_routings()]
+    def pop_routings(self) -> List[Routing]:
+        """The :class:`~moa.routing.Routing` of every routed module since the last call, clearing them."""
+        return [routing for _, routing in pop_named_routings(self)]
 
-    def pop_named_routings(self) -> List[Tuple[str, object]]:
+    def pop_named_routings(self) -> List[Tuple[str, Routing]]:
         """(module name, routing) of every routed module since the last call, clearing them."""
-        routings = []
-        for name, module in self.named_modules():
-            if isinstance(module, RoutedAttention) and module.routing is not None:
-                routings.append((name, module.routing))
-                module.routing = None
-        return routings
+        return pop_named_routings(self)
+
+
+def pop_named_routings(model: nn.Module) -> List[Tuple[str, Routing]]:
+    """(module name, :class:`~moa.routing.Routing`) of every routed attention module of ``model`` since
+    the last call, clearing them; empty for a model without routed attention."""
+    routings = []
+    for name, module in model.named_modules():
+        if isinstance(module, RoutedAttention) and module.routing is not None:
+            routings.append((name, module.routing))
+            module.routing = None
+    return routings
 
 
 def check_dictionary_sizes(model_state, checkpoint_state) -> None:

@@ -13,21 +13,19 @@ token; the incremental-decoding cache holds the single shared head, (batch,
 length, D). Only the selected experts' projections are computed.
 
 The module follows fairseq's ``MultiheadAttention`` contract through
-:class:`~moa.attention_base.RoutedAttention`.
+:class:`~moa.routed_attention.RoutedAttention`.
 """
 
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
-from fairseq import utils
 from fairseq.incremental_decoding_utils import with_incremental_state
-from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
-from moa.attention_base import IncrementalState, RoutedAttention, attention_bias
-from moa.experts import ExpertDispatch, ExpertLinear
-from moa.routing import TopKRouter
+from moa.dispatch import ExpertDispatch
+from moa.experts import ExpertLinear
+from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
+from moa.routing import ExpertRouting, TopKRouter
 
 
 @with_incremental_state
@@ -37,8 +35,10 @@ class MixtureOfAttentionHeads(RoutedAttention):
     Parameters: router W_g (E x d_model), W_q (d_model x E x D), W_o (E x D x d_model),
     shared W_k (kdim -> D) and W_v (vdim -> D); biases only with ``bias=True``.
 
-    After each forward, ``self.routing`` holds the :class:`~moa.routing.Routing`
-    of the queries (auxiliary losses over non-padding tokens).
+    After each forward, ``self.routing`` holds the :class:`~moa.routing.ExpertRouting`
+    of the queries (auxiliary losses over non-padding tokens). Attention weights, when asked
+    for, are averaged over the selected experts (batch, tgt_len, src_len), or per selected slot
+    (top_k, batch, tgt_len, src_len) with ``need_head_weights``.
     """
 
     def __init__(
@@ -56,14 +56,10 @@ class MixtureOfAttentionHeads(RoutedAttention):
         gate_weights: str = "renormalized",
         router_init: str = "normal",
     ):
-        super().__init__(self_attention, encoder_decoder_attention)
-        self.embed_dim = embed_dim
+        super().__init__(embed_dim, head_dim, dropout, self_attention, encoder_decoder_attention)
         self.num_experts = num_experts
         self.top_k = top_k
-        self.head_dim = head_dim
         self.num_heads = top_k  # fairseq's layers read .num_heads and .head_dim
-        self.scaling = head_dim ** -0.5
-        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
 
         self.router = TopKRouter(embed_dim, num_experts, top_k, gate_weights, router_init)
         self.q_experts = ExpertLinear(num_experts, embed_dim, head_dim, bias, expert_dim=1)
@@ -75,71 +71,41 @@ class MixtureOfAttentionHeads(RoutedAttention):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
 
-    def forward(
-        self,
-        query: Tensor,
-        key: Optional[Tensor],
-        value: Optional[Tensor],
-        key_padding_mask: Optional[Tensor] = None,
-        incremental_state: IncrementalState = None,
-        need_weights: bool = True,
-        static_kv: bool = False,
-        attn_mask: Optional[Tensor] = None,
-        before_softmax: bool = False,
-        need_head_weights: bool = False,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """query: (tgt_len, batch, embed_dim); key/value: (src_len, batch, kdim/vdim).
+    def route(self, x: Tensor, padding: Optional[Tensor]) -> Tuple[ExpertRouting, None]:
+        return self.router(x, padding), None
 
-        key_padding_mask: (batch, src_len), True/1 at padding. attn_mask: (tgt_len,
-        src_len), additive float (fairseq's -inf future mask) or bool (True = blocked).
-        Returns output (tgt_len, batch, embed_dim) and, when asked for, attention
-        weights averaged over the selected experts (batch, tgt_len, src_len), or per
-        selected slot (top_k, batch, tgt_len, src_len) with ``need_head_weights``.
-        """
-        if before_softmax:
-            raise NotImplementedError("MixtureOfAttentionHeads does not return pre-softmax scores")
-        need_weights = need_weights or need_head_weights
-        tgt_len, bsz, embed_dim = query.shape
-        if embed_dim != self.embed_dim:
-            raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
-
-        keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
-                                                               static_kv, self._project_key_value)
-
-        # Route the queries; tokens are flattened time-first: n = t * bsz + b.
-        x = query.reshape(tgt_len * bsz, embed_dim)
-        routing = self.router(x, self.flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz))
-        self.record(routing)
-        bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
+    def mix(self, x, routing: ExpertRouting, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
+            need_head_weights, decoding):
+        """The selected experts' queries, multi-query attention over the shared head, and the gated
+        output projections: y_t = sum_j w_j o_j W_o^{e_j}."""
         if self.top_k == self.num_experts:
-            return self._forward_all_experts(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
-                                             need_head_weights)
-        plan = ExpertDispatch(routing.experts, self.num_experts, tgt_len, bsz)
+            return self._mix_all_experts(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
+                                         need_head_weights)
+        plan = ExpertDispatch(routing.selected, self.num_experts, tgt_len, bsz)
         # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
         q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows,
                            dst_is_permutation=True)
         q = q.view(bsz, self.top_k, tgt_len, self.head_dim)
         o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights)
-        # y_t = sum_j w_j o_j W_o^{e_j}: the gate scales each gathered row inside the projection.
-        gates = routing.weights.reshape(-1)[plan.order]
+        # The gate scales each gathered row inside the projection.
+        gates = routing.gates.reshape(-1)[plan.order]
         y = self.o_experts(o.reshape(plan.num_slot_rows, self.head_dim), plan.slot_row, plan.token,
                            plan.group_sizes, plan.num_tokens, scale=gates, add_bias=False)
         if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
-            y = y + (routing.weights.unsqueeze(-1) * self.o_experts.bias[routing.experts]).sum(dim=1)
-        return y.view(tgt_len, bsz, self.embed_dim), weights
+            y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
+        return y, weights
 
-    def _forward_all_experts(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights,
-                             need_head_weights):
+    def _mix_all_experts(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights):
         """top_k == E: every expert is selected for every token, so slot order is irrelevant; the
         projections run as two dense matmuls (the same FLOPs as the routed path, no gathers)."""
-        gates = torch.zeros_like(routing.weights).scatter(1, routing.experts, routing.weights)  # (N, E)
+        gates = torch.zeros_like(routing.gates).scatter(1, routing.selected, routing.gates)  # (N, E)
         q = self.q_experts.fan_out(x).view(tgt_len, bsz, self.num_experts, self.head_dim).permute(1, 2, 0, 3)
         o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights)
         o = o * gates.view(tgt_len, bsz, self.num_experts).permute(1, 2, 0).unsqueeze(-1)
         y = self.o_experts.fan_in(o.permute(2, 0, 1, 3).reshape(tgt_len * bsz, self.num_experts, self.head_dim))
         if self.o_experts.bias is not None:
             y = y + gates @ self.o_experts.bias
-        return y.view(tgt_len, bsz, self.embed_dim), weights
+        return y, weights
 
     def _attend(self, q, keys, values, bias, need_weights: bool, need_head_weights: bool):
         """Multi-query attention of k query heads over the one shared K/V head.
@@ -150,21 +116,24 @@ class MixtureOfAttentionHeads(RoutedAttention):
         Returns o (B, k, T, D) and the weights asked for.
         """
         bsz, top_k, tgt_len, head_dim = q.shape
-        q = q.reshape(bsz, 1, top_k * tgt_len, head_dim)
-        keys, values = keys.unsqueeze(1), values.unsqueeze(1)
         if bias is not None and bias.size(-2) > 1:  # a per-query mask: the same for every head
             bias = bias.unsqueeze(2).expand(-1, -1, top_k, -1, -1).reshape(bias.size(0), 1, -1, bias.size(-1))
-        if not need_weights:
-            dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout, scale=self.scaling)
-            return o.view(bsz, top_k, tgt_len, head_dim), None
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling
-        if bias is not None:
-            scores = scores + bias
-        probs = utils.softmax(scores, dim=-1).type_as(scores)  # (B, 1, k*T, S)
-        o = torch.matmul(self.dropout_module(probs), values).view(bsz, top_k, tgt_len, head_dim)
+        o, probs = self.attention_core(q.reshape(bsz, 1, top_k * tgt_len, head_dim), keys.unsqueeze(1),
+                                       values.unsqueeze(1), bias, need_weights)
+        o = o.view(bsz, top_k, tgt_len, head_dim)
+        if probs is None:
+            return o, None
         probs = probs.view(bsz, top_k, tgt_len, -1)
         return o, probs.transpose(0, 1) if need_head_weights else probs.mean(dim=1)
+
+    def head_outputs(self, query, key, key_padding_mask=None, attn_mask=None):
+        """Every expert's attention over the shared head and its ``A V W_o^i``, ungated (see the base)."""
+        tgt_len, bsz, _ = query.shape
+        q = self.q_experts.fan_out(query.reshape(tgt_len * bsz, -1)).view(tgt_len, bsz, self.num_experts,
+                                                                           self.head_dim).permute(1, 2, 0, 3)
+        k, v = (t.unsqueeze(1) for t in self._project_key_value(key, key))  # (B, 1, S, D)
+        attention = attention_probs(q, k, attention_bias(attn_mask, key_padding_mask, q.dtype), self.scaling)
+        return attention, torch.matmul(torch.matmul(attention, v), self.o_experts.weight[None])
 
     def _project_key_value(self, key: Tensor, value: Tensor):
         """The one shared K/V head: (src_len, batch, dim) -> (batch, src_len, D) each."""
@@ -173,4 +142,3 @@ class MixtureOfAttentionHeads(RoutedAttention):
     def extra_repr(self) -> str:
         return (f"{self.top_k}K{self.num_experts}E{self.head_dim}D, embed_dim={self.embed_dim}, "
                 f"self_attention={self.self_attention}, encoder_decoder_attention={self.encoder_decoder_attention}")
-

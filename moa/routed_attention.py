@@ -1,0 +1,222 @@
+"""The skeleton MoA's and MoH's attention modules share: fairseq's attention contract around a router.
+
+Both follow fairseq's ``MultiheadAttention`` contract (time-first inputs, ``(output,
+weights_or_None)``, incremental state, beam reordering), so fairseq's Transformer layers use them
+unchanged. :meth:`RoutedAttention.forward` is written once, here:
+
+1. shape checks; the keys and values, projected by the subclass (any layout whose time axis is
+   ``time_dim``) and kept in the incremental-decoding cache, concatenated step by step, static for
+   encoder-decoder attention;
+2. the queries flattened time-first (n = t * batch + b) and routed, skipping padded queries: for
+   self-attention the padding is ``key_padding_mask``; for encoder-decoder attention the decoder sets
+   ``query_padding_mask`` (batch, tgt_len) before running its layers, since fairseq passes only key
+   padding;
+3. the routing recorded for the criterion (:meth:`record`);
+4. fairseq's two masks as one additive bias (:func:`attention_bias`);
+5. the subclass's :meth:`~RoutedAttention.mix`: the selected experts' or heads' attention and output.
+
+The attention core itself, softmax(q K^T / sqrt(D) + bias) V with dropout, is :meth:`attention_core`
+(torch's fused ``scaled_dot_product_attention`` unless the weights are asked for). Subclasses supply
+``_project_key_value``, ``route``, ``mix`` and ``head_outputs`` (every head's or expert's attention and
+output contribution, for ``moa-analyze``). After each forward, ``self.routing`` holds the routing
+decision of the queries (unless ``record_routing`` is off, as in the backward's recomputation under
+activation checkpointing); the model hands it to the criterion (``pop_named_routings``).
+"""
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from fairseq import utils
+from fairseq.modules.fairseq_dropout import FairseqDropout
+from torch import Tensor, nn
+
+from moa.routing import Routing
+
+IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+
+
+class RoutedAttention(nn.Module):
+    """Base of the routed attention modules; subclasses are decorated ``@with_incremental_state``."""
+
+    time_dim = 1  # the time axis of the cached keys/values: (batch, len, D) for MoA
+
+    def __init__(self, embed_dim: int, head_dim: int, dropout: float, self_attention: bool,
+                 encoder_decoder_attention: bool):
+        super().__init__()
+        self.embed_dim, self.head_dim = embed_dim, head_dim
+        self.scaling = head_dim ** -0.5
+        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
+        self.self_attention = self_attention
+        self.encoder_decoder_attention = encoder_decoder_attention
+        self.query_padding_mask: Optional[Tensor] = None
+        self.routing: Optional[Routing] = None
+        self.record_routing = True
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: IncrementalState = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """query: (tgt_len, batch, embed_dim); key/value: (src_len, batch, kdim/vdim).
+
+        key_padding_mask: (batch, src_len), True/1 at padding. attn_mask: (tgt_len, src_len),
+        additive float (fairseq's -inf future mask) or bool (True = blocked). Returns the output
+        (tgt_len, batch, embed_dim) and, when asked for, attention weights averaged over each token's
+        active heads (batch, tgt_len, src_len), or per head with ``need_head_weights`` (see ``mix``).
+        """
+        if before_softmax:
+            raise NotImplementedError(f"{type(self).__name__} does not return pre-softmax scores")
+        tgt_len, bsz, embed_dim = query.shape
+        if embed_dim != self.embed_dim:
+            raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
+        keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
+                                                               static_kv, self._project_key_value)
+        x = query.reshape(tgt_len * bsz, embed_dim)
+        routing, routed_queries = self.route(x, self.flat_query_padding(key_padding_mask, incremental_state,
+                                                                        tgt_len, bsz))
+        self.record(routing)
+        bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
+        y, weights = self.mix(x, routing, routed_queries, keys, values, bias, tgt_len, bsz,
+                              need_weights or need_head_weights, need_head_weights, incremental_state is not None)
+        return y.view(tgt_len, bsz, embed_dim), weights
+
+    def route(self, x: Tensor, padding: Optional[Tensor]) -> Tuple[Routing, Optional[Tensor]]:
+        """x: (N, embed_dim) the queries; padding: (N,) bool or None. Returns the routing and any
+        per-head queries the router computed on the way, for ``mix`` to reuse (or None)."""
+        raise NotImplementedError
+
+    def mix(self, x: Tensor, routing: Routing, routed_queries: Optional[Tensor], keys: Tensor, values: Tensor,
+            bias: Optional[Tensor], tgt_len: int, bsz: int, need_weights: bool, need_head_weights: bool,
+            decoding: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """The routed attention proper: (N, embed_dim) output and the weights asked for."""
+        raise NotImplementedError
+
+    def head_outputs(self, query: Tensor, key: Tensor, key_padding_mask: Optional[Tensor] = None,
+                     attn_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """(A, O): every head's (MoA: every expert's) attention probabilities (B, H, T, S) and its
+        contribution ``A_i V_i W_O^i`` to the output (B, H, T, C), ungated, whether routed or not.
+        query: (T, B, C); key: (S, B, C_k)."""
+        raise NotImplementedError
+
+    def attention_core(self, q: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor],
+                       need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """softmax(q K^T * scaling + bias) V, with attention dropout in training.
+
+        q: (B, H, L, D); keys, values: (B, H or 1, S, D); bias: additive, broadcastable to
+        (B, H, L, S), or None. Returns o (B, H, L, D) and, with ``need_weights``, the probabilities
+        (B, H, L, S) (before dropout)."""
+        if not need_weights:
+            dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
+                                                  scale=self.scaling), None
+        probs = attention_probs(q, keys, bias, self.scaling)
+        return torch.matmul(self.dropout_module(probs), values), probs
+
+    def record(self, routing) -> None:
+        """Keep ``routing`` for the criterion (see :mod:`moa.activation_checkpointing`)."""
+        if self.record_routing:
+            self.routing = routing
+
+    def cached_key_value(self, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                         incremental_state: IncrementalState, static_kv: bool,
+                         project: Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]):
+        """``project(key, value)`` -> (keys, values), through the incremental cache.
+
+        key/value: (src_len, batch, dim). Returns keys, values in ``project``'s layout (time on
+        ``time_dim``) and the key padding mask (batch, len) that goes with them.
+        """
+        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
+        if static_kv and saved is not None and "prev_key" in saved:
+            return saved["prev_key"], saved["prev_value"], key_padding_mask
+        if key is None or value is None:
+            raise ValueError(f"{type(self).__name__} needs key and value unless they are cached (static_kv)")
+        keys, values = project(key, value)
+        if saved is not None:
+            if not static_kv and "prev_key" in saved:
+                prev_len = saved["prev_key"].size(self.time_dim)
+                keys = torch.cat([saved["prev_key"], keys], dim=self.time_dim)
+                values = torch.cat([saved["prev_value"], values], dim=self.time_dim)
+                key_padding_mask = cat_padding(saved.get("prev_key_padding_mask"), key_padding_mask,
+                                               keys.size(0), prev_len, keys.size(self.time_dim) - prev_len)
+            saved["prev_key"], saved["prev_value"] = keys, values
+            if not static_kv:
+                saved["prev_key_padding_mask"] = key_padding_mask
+            self._set_input_buffer(incremental_state, saved)
+        return keys, values, key_padding_mask
+
+    def flat_query_padding(self, key_padding_mask, incremental_state, tgt_len, bsz) -> Optional[Tensor]:
+        """(tgt_len * bsz,) bool padding of the queries, flattened time-first, or None when unknown/none."""
+        mask = self.query_padding_mask
+        if mask is None and self.self_attention and incremental_state is None:
+            mask = key_padding_mask
+        if mask is None:
+            return None
+        if mask.shape != (bsz, tgt_len):
+            raise ValueError(f"query padding mask has shape {tuple(mask.shape)}, expected {(bsz, tgt_len)}")
+        return mask.bool().transpose(0, 1).reshape(-1)
+
+    def reorder_incremental_state(self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor):
+        """Re-index every cached tensor along the batch dimension (beam search)."""
+        buffer = self._get_input_buffer(incremental_state)
+        if buffer:
+            for name, cached in buffer.items():
+                if cached is not None:
+                    buffer[name] = cached.index_select(0, new_order)
+            incremental_state = self._set_input_buffer(incremental_state, buffer)
+        return incremental_state
+
+    def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
+        result = self.get_incremental_state(incremental_state, "attn_state")
+        return result if result is not None else {}
+
+    def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
+        return self.set_incremental_state(incremental_state, "attn_state", buffer)
+
+
+def cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int):
+    """Concatenate cached and new key padding masks (batch, len); None when neither has padding."""
+    if prev is None and new is None:
+        return None
+    device = (prev if prev is not None else new).device
+    if prev is None:
+        prev = torch.zeros(bsz, prev_len, dtype=torch.bool, device=device)
+    if new is None:
+        new = torch.zeros(bsz, new_len, dtype=torch.bool, device=device)
+    return torch.cat([prev.bool(), new.bool()], dim=1)
+
+
+def attention_probs(q: Tensor, keys: Tensor, bias: Optional[Tensor], scaling: float) -> Tensor:
+    """softmax(q K^T * scaling + bias) in q's dtype (fairseq's float32 softmax): q (..., L, D),
+    keys (..., S, D) -> (..., L, S)."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    if bias is not None:
+        scores = scores + bias
+    return utils.softmax(scores, dim=-1).type_as(scores)
+
+
+def attention_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]:
+    """fairseq's masks as one additive bias: attn_mask (T, S) float (-inf blocks) or bool
+    (True blocks), key_padding_mask (B, S) (True/1 at padding) -> (1 or B, 1, T or 1, S)."""
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(
+                attn_mask, float("-inf"))
+        else:
+            bias = attn_mask.to(dtype)
+        bias = bias[None, None]
+    if key_padding_mask is not None:
+        padding = key_padding_mask.bool()[:, None, None, :]
+        if bias is None:
+            bias = torch.zeros(padding.shape, dtype=dtype, device=padding.device)
+        bias = bias.masked_fill(padding, float("-inf"))
+    return bias
