@@ -18,7 +18,7 @@ runs taken in turn over the tuned models, as a speed ratio to the continued orig
 Masked LM, WikiText-2 text: the MLM benchmark's Transformer RoBERTa (its settings, --mlm-original-updates)
 is converted at 75% with each router and continued --mlm-updates; perplexity in the same columns.
 
-Writes benchmarks/results/convert-moh.{json,md}. Keep the machine otherwise idle.
+Writes benchmarks/results/convert-moh/convert-moh.{json,md}. Keep the machine otherwise idle.
 """
 
 import argparse
@@ -34,7 +34,7 @@ import torch
 
 from benchmarks import mlm_wikitext2
 from benchmarks import translation_multi30k as mt
-from benchmarks.common import RESULTS, ROOT
+from benchmarks.common import RESULTS, ROOT, provenance, provenance_line, write_atomically
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 from moa_tools.checkpoints import load_checkpoint, save_atomically
 from moa_tools.moh_conversion import continue_flags, convert
@@ -235,7 +235,7 @@ def markdown(translation_rows, mlm_rows, original):
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="convert_moh.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.convert_moh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--original", help="a trained Multi30k En-De transformer checkpoint, read with the data it "
                                            "was trained on (default: train one)")
@@ -252,7 +252,8 @@ def _main(argv):
                         help="train nothing: re-time decoding and re-score perplexity of the checkpoints of the run "
                              "that wrote --out, with the code as it is now")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-convert-moh"))
-    parser.add_argument("--out", default=os.path.join(RESULTS, "convert-moh"), help="output prefix for .json and .md")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "convert-moh", "convert-moh"),
+                        help="output prefix for .json and .md")
     args = parser.parse_args(argv)
     if args.smoke:
         args.updates, args.mlm_updates, args.speed_repeats = 4, 4, 1
@@ -267,17 +268,16 @@ def _main(argv):
     else:
         translation_rows, original = translation(args, args.workdir) if "translation" in args.tasks else ([], None)
         mlm_rows = masked_lm(args, args.workdir) if "mlm" in args.tasks else []
-    text = markdown(translation_rows, mlm_rows, original)
+    run = provenance("convert_moh", argv)
+    text = markdown(translation_rows, mlm_rows, original) + "\n\n" + provenance_line(run)
     print("\n" + text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-        json.dump({"original": original, "translation": translation_rows, "mlm": mlm_rows}, f, indent=1)
-    with open(args.out + ".md", "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+    report = {"original": original, "translation": translation_rows, "mlm": mlm_rows, "run": run}
+    write_atomically(args.out + ".json", json.dumps(report, indent=1))
+    write_atomically(args.out + ".md", text + "\n")
 
 
 def main(argv=None) -> int:
-    return run_tool("convert_moh.py", _main, argv)
+    return run_tool("benchmarks.convert_moh", _main, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Masked LM on WikiText-2 text: small MoA and MoH RoBERTas against a same-shape Transformer RoBERTa.
 
     .venv/bin/python -m benchmarks.mlm_wikitext2 [--updates 600] [--workdir DIR]
-    .venv/bin/python -m benchmarks.mlm_wikitext2 --models moa-zero-router --moa-config 4K32E64D --seeds 1 2
+    .venv/bin/python -m benchmarks.mlm_wikitext2 --models moa --moa-config 4K32E64D --seeds 1 2
     .venv/bin/python -m benchmarks.mlm_wikitext2 --minutes 6 ...   # equal training time instead
 
 Uses wikitext-2/wiki.valid.tokens of the shared data folder (the only WikiText split kept on
@@ -12,18 +12,17 @@ shape (d_model 256, FFN 1024, 4 layers), batch, learning-rate schedule (polynomi
 --updates, a tenth of them warmup) and budget, and are scored by moa-eval-ppl on the held-out
 lines. The budget is the same number of updates (--updates, default 600), or the same training
 wall time (--minutes; fairseq's --stop-time-hours, the schedule still that of --updates, so a
-faster model gets further along it). The models (--models):
+faster model gets further along it). The models (--models, by id; result rows carry the id as ``model_id``):
 
 * ``moa``: ``moa_roberta_small``, MoA 4K8E64D (or --moa-config kKeEdD: top-k of e experts of
-  width d), the arch's defaults; ``moa-zero-router``: the same with --moa-router-init zeros,
-  ``moa-normal-router``: with --moa-router-init normal;
+  width d), the arch's defaults; ``moa-normal-router``: the same with --moa-router-init normal;
 * ``moh``: ``moh_roberta_small``, 2 shared + top-1 of 2 of the 4 heads of 64;
 * ``transformer``: fairseq's ``roberta`` with 4 heads of 64.
 
 Every model trains once per seed (--seeds, fairseq's --seed). The rows go to --out (default
-benchmarks/results/mlm-wikitext2.{json,md}); rows already there for other models, seeds or
-budgets stay, so runs made one at a time build one table. The tables give each row and, per
-model, the mean and spread over its seeds.
+benchmarks/results/mlm-wikitext2/mlm-wikitext2.{json,md}); rows already there for other models, seeds or
+budgets stay, so runs made one at a time build one table; each row keeps the command, commit and
+versions that measured it. The tables give each row and, per model, the mean and spread over its seeds.
 """
 
 import argparse
@@ -37,7 +36,7 @@ import sys
 import time
 import zipfile
 
-from benchmarks.common import RESULTS, ROOT, moa_expert_flags, shared_data
+from benchmarks.common import RESULTS, ROOT, moa_expert_flags, provenance, provenance_line, shared_data, write_atomically
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 
 SOURCE = shared_data("wikitext-2", "wiki.valid.tokens")
@@ -47,10 +46,10 @@ DEFAULT_MOA = "4K8E64D"
 
 
 def models(moa_config=DEFAULT_MOA):
-    """--models key -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD)."""
+    """--models id -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD).
+    Result rows carry the id (``model_id``); the label is only what the tables print."""
     moa = ["--arch", "moa_roberta_small", "--criterion", "moa_masked_lm", *moa_expert_flags(moa_config)]
     return {"moa": (f"MoA {moa_config} (moa_roberta_small)", moa),
-            "moa-zero-router": (f"MoA {moa_config}, zero-initialised router", moa + ["--moa-router-init", "zeros"]),
             "moa-normal-router": (f"MoA {moa_config}, normal-initialised router", moa + ["--moa-router-init", "normal"]),
             "moh": ("MoH 2+1of2, 75% active (moh_roberta_small)", ["--arch", "moh_roberta_small", "--criterion", "moa_masked_lm"]),
             "transformer": ("Transformer 4x64 (roberta)", ["--arch", "roberta", "--criterion", "masked_lm"])}
@@ -97,7 +96,7 @@ def perplexities(checkpoint, data_bin) -> dict:
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="mlm_wikitext2.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mlm_wikitext2", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--updates", type=int, default=600,
                         help="updates per model, and the length of the learning-rate schedule (default 600)")
@@ -109,7 +108,7 @@ def _main(argv):
                         help="experts of the MoA models (default 4K8E64D, moa_roberta_small's)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="fairseq's --seed, one run each (default: 1)")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-mlm"))
-    parser.add_argument("--out", default=os.path.join(RESULTS, "mlm-wikitext2"),
+    parser.add_argument("--out", default=os.path.join(RESULTS, "mlm-wikitext2", "mlm-wikitext2"),
                         help="output prefix for .json and .md; the rows already there for other models, seeds or "
                              "budgets are kept")
     args = parser.parse_args(argv)
@@ -124,10 +123,12 @@ def _main(argv):
               if args.minutes else f"equal updates, {args.updates} per model")
     extra = ["--stop-time-hours", str(args.minutes / 60)] if args.minutes else []
     data_bin = prepare(args.workdir)
+    run = provenance("mlm_wikitext2", argv)
     rows = []
     for seed in args.seeds:
-        for label, model_args in (chosen[key] for key in args.models):
-            save = os.path.join(args.workdir, re.sub(r"\W+", "-", label).strip("-") + f"-seed{seed}")
+        for model_id in args.models:
+            label, model_args = chosen[model_id]
+            save = os.path.join(args.workdir, f"{model_id}-{args.moa_config}-seed{seed}")
             started = time.time()
             log = train(data_bin, [*model_args, *SHAPE], save, args.updates, extra, seed)
             wall = time.time() - started
@@ -136,14 +137,21 @@ def _main(argv):
             updates = [int(x) for line in train_lines for x in re.findall(r"\| num_updates (\d+)", line)]
             ppl = perplexities(os.path.join(save, "checkpoint_last.pt"), data_bin)
             params = re.search(r"num\. shared model params: ([\d,]+)", log)
-            row = {"model": label, "seed": seed, "budget": budget, "date": time.strftime("%Y-%m-%d"),
+            row = {"model_id": model_id, "moa_config": args.moa_config if model_id.startswith("moa") else None,
+                   "model": label, "seed": seed, "budget": budget,
+                   "date": time.strftime("%Y-%m-%d"), "run": run,
                    "parameters": int(params.group(1).replace(",", "")) if params else None,
                    "updates": updates[-1] if updates else None, "train_wall_s": wall,
                    "train_words_per_s": sum(wps) / len(wps) if wps else math.nan,
                    "valid_ppl": ppl.get("valid"), "test_ppl": ppl.get("test")}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    write_report(rows, args.out)
+    write_report(rows, args.out, run)
+
+
+def row_key(row):
+    """What one row measures: the model (by id and MoA configuration), the seed and the budget."""
+    return row["model_id"], row["moa_config"], row["seed"], row["budget"]
 
 
 def natural_order(text):
@@ -151,17 +159,14 @@ def natural_order(text):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def write_report(rows, out):
-    """Add ``rows`` to the rows of ``out``.json (replacing those of the same model, seed and budget);
-    write both files."""
+def write_report(rows, out, run):
+    """Add ``rows`` to the rows of ``out``.json (replacing those of the same model, seed and budget; each
+    row keeps the run that measured it); write both files."""
     if os.path.exists(out + ".json"):
         with open(out + ".json", encoding="utf-8") as f:
-            kept = json.load(f)
-        for row in kept:  # rows written before seeds and budgets were recorded: seed 1, 600 updates
-            row.setdefault("seed", 1)
-            row.setdefault("budget", f"equal updates, {row['updates']} per model")
-        new = {(r["model"], r["seed"], r["budget"]) for r in rows}
-        rows = [r for r in kept if (r["model"], r["seed"], r["budget"]) not in new] + rows
+            kept = json.load(f)["rows"]
+        new = {row_key(r) for r in rows}
+        rows = [r for r in kept if row_key(r) not in new] + rows
     rows.sort(key=lambda r: (r["budget"], natural_order(r["model"]), r["seed"]))
     lines = [f"MLM on WikiText-2 text, {os.cpu_count()} CPUs, batches of 16 x 256-token samples, masked-token "
              "perplexity exp(NLL) on held-out lines; validation NLL in bits (log2 of the perplexity).", "",
@@ -173,25 +178,24 @@ def write_report(rows, out):
                      f"{math.log2(r['valid_ppl']):.3f} | {r['test_ppl']:.2f} |")
     groups = {}
     for r in rows:
-        groups.setdefault((r["budget"], r["model"]), []).append(r)
+        groups.setdefault((r["budget"], r["model_id"], r["moa_config"]), []).append(r)
     lines += ["", "| budget | model | seeds | mean valid NLL | spread (max - min) | mean test ppl | mean updates |",
               "|---|---|---|---|---|---|---|"]
-    for (budget, model), group in groups.items():
+    for (budget, _, _), group in groups.items():
+        budget, model = group[0]["budget"], group[0]["model"]
         nll = [math.log2(r["valid_ppl"]) for r in group]
         lines.append(f"| {budget} | {model} | {', '.join(str(r['seed']) for r in group)} | {statistics.mean(nll):.3f} | "
                      f"{max(nll) - min(nll):.3f} | {statistics.mean(r['test_ppl'] for r in group):.2f} | "
                      f"{statistics.mean(r['updates'] for r in group):.0f} |")
-    text = "\n".join(lines)
+    commands = list(dict.fromkeys(provenance_line(r["run"]) for r in rows))
+    text = "\n".join(lines + ["", "Rows measured by:", ""] + [f"- {line}" for line in commands])
     print("\n" + text)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".json", "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=1)
-    with open(out + ".md", "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+    write_atomically(out + ".json", json.dumps({"rows": rows, "run": run}, indent=1))
+    write_atomically(out + ".md", text + "\n")
 
 
 def main(argv=None) -> int:
-    return run_tool("mlm_wikitext2.py", _main, argv)
+    return run_tool("benchmarks.mlm_wikitext2", _main, argv)
 
 
 if __name__ == "__main__":

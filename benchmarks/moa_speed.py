@@ -1,11 +1,11 @@
 """MoA and MoH speed and memory, side by side with fairseq's multi-head attention, in one run.
 
-    .venv/bin/python -m benchmarks.moa_speed                # full run (about 10 minutes on 2 CPU cores)
+    .venv/bin/python -m benchmarks.moa_speed                # full run
     .venv/bin/python -m benchmarks.moa_speed --quick        # a smaller grid, for a smoke test
     .venv/bin/python -m benchmarks.moa_speed --device cuda  # the same on a GPU
 
-Prints a markdown report and writes it with the raw figures as JSON
-(``--out``, default benchmarks/results/<device>.json and .md). Timings are
+Prints a markdown report and writes it with the raw figures as JSON, each section with the command,
+commit and versions that measured it (``--out``, default benchmarks/results/speed/<device>.json and .md). Timings are
 medians of --repeats runs after warm-up. FLOPs are counted analytically
 (router, selected-expert Q, shared K/V, q K^T and attention @ V, selected-expert O;
 backward = 2x forward) and compared with a float32 matmul peak measured in
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import moa  # noqa: F401  (registers the plugin)
 from benchmarks.authors_style_moa import AuthorsStyleMoA
+from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
 from fairseq.modules.multihead_attention import MultiheadAttention
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
@@ -320,14 +321,15 @@ def markdown(report):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moa_speed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="a few shapes and 2 repeats, no model level")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="which sections to run (default: all); a partial run replaces those sections of an "
                              "existing --out file and keeps the others, each section with its date")
-    parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/<device>.json")
+    parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/speed/<device>.json")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, default=32, help=argparse.SUPPRESS)
@@ -339,9 +341,8 @@ def main():
     repeats = 2 if args.quick else args.repeats
     tokens = [256, 1024] if args.quick else [256, 1024, 4096, 8192]
     seqs = [64] if args.quick else [64, 256]
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"{device.type}{'-quick' if args.quick else ''}.json")
-    report = {"modules": [], "moh": [], "models": [], "dates": {}}
+    out = args.out or os.path.join(RESULTS, "speed", f"{device.type}{'-quick' if args.quick else ''}.json")
+    report = {"modules": [], "moh": [], "models": [], "dates": {}, "runs": {}}
     if set(args.sections) != set(SECTIONS) and os.path.exists(out):  # a partial run updates its sections only
         with open(out) as f:
             report.update(json.load(f))
@@ -349,6 +350,8 @@ def main():
                    "machine": (torch.cuda.get_device_name() if device.type == "cuda"
                                else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")})
     today = time.strftime("%Y-%m-%d")
+    run = provenance("moa_speed")
+    report["runs"].update({section: run for section in args.sections if section != "models" or not args.quick})
     if "modules" in args.sections:
         peak_before = matmul_peak(device, repeats)
         modules = module_grid(device, repeats, tokens, seqs, peak_before)
@@ -364,13 +367,11 @@ def main():
     if "models" in args.sections and not args.quick:
         report["models"] = model_level(device, 3, ["transformer_wmt_en_de", "moa_base", "moh_base"])
         report["dates"]["models"] = today
-    text = markdown(report)
+    text = markdown(report) + "\n\n" + "\n".join(
+        f"- {section}: {provenance_line(section_run)}" for section, section_run in report["runs"].items())
     print("\n" + text)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write(text + "\n")
+    write_atomically(out, json.dumps(report, indent=1))
+    write_atomically(os.path.splitext(out)[0] + ".md", text + "\n")
 
 
 if __name__ == "__main__":

@@ -1,59 +1,45 @@
-"""Translation on real data, CPU: a small MoA model against a same-shape Transformer on Multi30k.
+"""Translation on real data, CPU: small MoA and MoH models against a same-shape Transformer on Multi30k.
 
     .venv/bin/python -m benchmarks.translation_multi30k [--pairs en-de en-fr] [--minutes 11 | --updates N]
-    .venv/bin/python -m benchmarks.translation_multi30k --smoke     # a 3-minute version (the slow tests run it)
+    .venv/bin/python -m benchmarks.translation_multi30k --smoke     # a few minutes (the slow tests run it)
     .venv/bin/python -m benchmarks.translation_multi30k --models moa-self transformer --seeds 2 3
     .venv/bin/python -m benchmarks.translation_multi30k --combine A.json B.json --out ALL   # tables over both
     .venv/bin/python -m benchmarks.translation_multi30k --moa-config 4K4E128D   # other MoA experts
 
-About 105 minutes on 2 cores with the defaults: 8 models x (11 min training + translation + MAC count).
-
 For each pair, ../shared/data/multi30k goes through examples/translation/prepare-multi30k.sh
 (offline, --mirror; 8,000 joint sentencepiece pieces). Then every model trains with the same
-d_model 256, FFN 1024, 3+3 layers, batch, optimiser, schedule and budget: the same training wall
-time (--minutes, default 11; fairseq's --stop-time-hours), or the same number of updates (--updates).
-Keep the machine otherwise idle: another process on the same cores slows one model and not the other.
-The batch (--max-tokens, default 2048) and warmup (--warmup-updates, default 200) are the same for
-all models; with the defaults the 11 minutes buy about 1,000 updates. (The first runs used 4096 and
-400: about 500 updates, 400 of them in warmup, and the models stopped where the loss still fell
-steeply; see benchmarks/README.md.)
-The models (--models):
+d_model 256, FFN 1024, 3+3 layers, batch (--max-tokens), warmup (--warmup-updates), optimiser,
+schedule and budget: the same training wall time (--minutes, default 11; fairseq's
+--stop-time-hours), or the same number of updates (--updates). Keep the machine otherwise idle:
+another process on the same cores slows one model and not the other.
 
-* ``moa``: ``moa_small``, 4K8E64D (4 of 8 experts of width 64, one shared key/value head) in all
-  three attention types, as in the paper, with the arch's defaults (since 2026-12-01 the
-  zero-initialised router; the rows of earlier result files had the normal draw);
+The models (--models, by id; result rows carry the id as ``model_id``):
+
+* ``moa``: ``moa_small`` (4K8E64D: 4 of 8 experts of width 64, one shared key/value head) in all
+  three attention types, as in the paper, with the arch's defaults;
 * ``moa-self``: the same MoA in encoder and decoder self-attention, with fairseq's 4x64 multi-head
   attention for encoder-decoder attention (``--moa-attention-types encoder-self,decoder-self``);
-  through a single shared 64-wide value head the decoder reads the source more slowly early in
-  training, and this row measures how much of the gap that explains;
 * ``moh``: ``moh_small``, the Transformer's 4 heads of 64 as MoH, 2 shared + top-1 of 2 routed
-  (75% of the heads active per token) in all three attention types, with the paper's gates
-  (``--moh-gate-scale softmax``, moh's default); ``moh-unit`` is the same with the released code's
-  scaling (``unit``), not in the default set;
+  in all three attention types, with the paper's gates; ``moh-unit``: the released code's scaling;
 * ``transformer``: fairseq's ``transformer`` with 4 heads of 64;
-* the released code's choices, each alone and together, not in the default set: ``moa-zero-router``
-  (``--moa-router-init zeros``; ``moa-normal-router`` is the normal draw that was the default before
-  2026-12-01), ``moa-aux-per-batch`` (``--moa-aux-loss-scale per-batch``),
-  ``moa-raw-gates`` (``--moa-gate-weights raw``), ``moa-released`` (``--moa-released-code``), and
-  ``moa-self-zero-router``.
+* one choice each, not in the default set: ``moa-normal-router`` and ``moa-self-normal-router``
+  (``--moa-router-init normal``), ``moa-aux-per-batch`` (``--moa-aux-loss-scale per-batch``),
+  ``moa-raw-gates`` (``--moa-gate-weights raw``), ``moa-released`` (``--moa-released-code``).
 
-``--moa-config kKeEdD`` gives both MoA models other experts: 4K4E128D has the proportions of the
+``--moa-config kKeEdD`` gives the MoA models other experts: 4K4E128D has the proportions of the
 paper's MoA Base against Transformer base (k = the Transformer's head count, D = twice its head width).
 
-All translate every test_2016_flickr sentence (beam 4, length penalty 0.6) and
+All translate every test_2016_flickr sentence (beam 4, length penalty 0.6, checkpoint_best) and
 are scored with sacreBLEU against the raw references (see moa_tools.scoring).
 
-Reported per model: parameters; forward MACs per target token, counted by
-torch.utils.flop_counter on the first 200 validation pairs, teacher-forced, one pair at a
-time (every matmul: embeddings' output projection, attention, router, experts, FFN);
-training words/s (fairseq's wps: target tokens per second) and wall time; best validation loss;
-sacreBLEU and the paper's tokenised BLEU. Writes benchmarks/results/translation-multi30k.{json,md}.
-
-Seeds: at this budget the Transformer's sacreBLEU moves by about 2 points from one seed to the next,
-so one seed cannot tell a small difference from noise. ``--seeds`` trains every model once per seed
-(fairseq's --seed; the same seed gives every model the same batch order), and the tables then give
-each seed's difference to the Transformer and their mean; ``--combine`` redraws the tables over
-result files from separate runs.
+Reported per model: parameters; forward MACs per target token, counted by torch.utils.flop_counter
+on the first 200 validation pairs, teacher-forced, one pair at a time; training words/s (fairseq's
+wps) and wall time; best validation loss and NLL, and the validation NLL at every epoch end (equal
+updates across models of one seed); sacreBLEU and the paper's tokenised BLEU. ``--seeds`` trains
+every model once per seed (fairseq's --seed: the same batch order for every model of a seed), and
+the tables give each seed's difference to the Transformer of the same pair, seed and date, and their
+mean. Writes benchmarks/results/multi30k/translation-multi30k.{json,md}, with the command, commit
+and versions that made them.
 """
 
 import argparse
@@ -69,7 +55,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import moa  # noqa: F401  (registers the plugin and the checkpoint allow-list)
-from benchmarks.common import RESULTS, ROOT, moa_expert_flags, shared_data
+from benchmarks.common import RESULTS, ROOT, moa_expert_flags, provenance, provenance_line, shared_data, write_atomically
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 from moa_tools.scoring import bleu_report, ordered_hypotheses, read_hypotheses
 from moa_tools.textio import read_lines
@@ -84,20 +70,19 @@ DEFAULT_MOA = "4K8E64D"
 
 
 def models(moa_config=DEFAULT_MOA):
-    """--models key -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD)."""
+    """--models id -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD).
+    Result rows carry the id (``model_id``); the label is only what the tables print."""
     moa_args = MOA + moa_expert_flags(moa_config)
+    self_only = ["--moa-attention-types", "encoder-self,decoder-self"]
     return {
         "moa": (f"MoA {moa_config} (moa_small)", moa_args),
-        "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)",
-                     moa_args + ["--moa-attention-types", "encoder-self,decoder-self"]),
-        "moa-zero-router": (f"MoA {moa_config}, zero-initialised router", moa_args + ["--moa-router-init", "zeros"]),
+        "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)", moa_args + self_only),
         "moa-normal-router": (f"MoA {moa_config}, normal-initialised router", moa_args + ["--moa-router-init", "normal"]),
+        "moa-self-normal-router": (f"MoA {moa_config} self-attn, MHA cross, normal-initialised router",
+                                   moa_args + self_only + ["--moa-router-init", "normal"]),
         "moa-aux-per-batch": (f"MoA {moa_config}, aux loss per batch", moa_args + ["--moa-aux-loss-scale", "per-batch"]),
         "moa-raw-gates": (f"MoA {moa_config}, raw gate weights", moa_args + ["--moa-gate-weights", "raw"]),
         "moa-released": (f"MoA {moa_config}, the released code's choices", moa_args + ["--moa-released-code"]),
-        "moa-self-zero-router": (f"MoA {moa_config} self-attn, MHA cross, zero-initialised router",
-                                 moa_args + ["--moa-attention-types", "encoder-self,decoder-self",
-                                             "--moa-router-init", "zeros"]),
         "moh": ("MoH 2+1of2, paper gates (moh_small)", MOH + ["--moh-gate-scale", "softmax"]),
         "moh-unit": ("MoH 2+1of2, unit gates (moh_small)", MOH + ["--moh-gate-scale", "unit"]),
         "transformer": ("Transformer 4x64 (transformer)", ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]),
@@ -160,9 +145,9 @@ def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200):
     return flops / 2 / tokens
 
 
-def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
+def train_and_score(model_id, moa_config, name, model_args, pair, seed, data_dir, work, budget, run):
     src, tgt = pair.split("-")
-    save = os.path.join(work, pair, f"seed{seed}", re.sub(r"\W+", "-", name).strip("-"))
+    save = os.path.join(work, pair, f"seed{seed}", model_id)
     # A checkpoint left by an earlier run would be resumed: fairseq would reach the budget at once
     # and the tables would report the old model with a wall time of seconds.
     shutil.rmtree(save, ignore_errors=True)
@@ -180,7 +165,9 @@ def train_and_score(name, model_args, pair, seed, data_dir, work, budget):
 
     checkpoint = os.path.join(save, "checkpoint_best.pt")
     scores = translate_and_score(checkpoint, data_dir, tgt, os.path.join(save, "generate.log"))
-    return {"pair": pair, "model": name, "seed": seed, "date": time.strftime("%Y-%m-%d"), "parameters": params,
+    return {"pair": pair, "model_id": model_id, "moa_config": moa_config if model_id.startswith("moa") else None,
+            "model": name, "seed": seed, "date": time.strftime("%Y-%m-%d"),
+            "run": run, "parameters": params,
             "macs_per_target_token": macs_per_target_token(checkpoint, data_dir, src, tgt),
             "updates": max(updates) if updates else 0, "train_wall_s": train_wall,
             "train_words_per_s": sum(wps) / len(wps) if wps else float("nan"),
@@ -238,18 +225,19 @@ def markdown(rows, budget_text):
             lines.append(f"| {r['pair']} | {r['seed']} | {r['model']} | " + " | ".join(cells) + " |")
     lines += ["", "| pair | seed | date | model | BLEU difference to the Transformer | words/s ratio | MACs ratio | "
               "parameters ratio |", "|---|---|---|---|---|---|---|---|"]
-    differences = {}  # (pair, model) -> one sacreBLEU difference per seed
-    for t in [r for r in rows if r["model"] == MODELS["transformer"][0]]:
+    differences = {}  # (pair, model id, MoA configuration, label) -> one sacreBLEU difference per seed
+    for t in [r for r in rows if r["model_id"] == "transformer"]:
         same_run = [r for r in rows if r is not t and (r["pair"], r["seed"], r["date"]) == (t["pair"], t["seed"], t["date"])]
         for m in same_run:
-            differences.setdefault((t["pair"], m["model"]), []).append(m["sacrebleu"] - t["sacrebleu"])
+            key = (t["pair"], m["model_id"], m["moa_config"], m["model"])
+            differences.setdefault(key, []).append(m["sacrebleu"] - t["sacrebleu"])
             lines.append(f"| {t['pair']} | {t['seed']} | {t['date']} | {m['model']} | {m['sacrebleu'] - t['sacrebleu']:+.2f} | "
                          f"{m['train_words_per_s'] / t['train_words_per_s']:.2f}x | "
                          f"{m['macs_per_target_token'] / t['macs_per_target_token']:.2f}x | "
                          f"{m['parameters'] / t['parameters']:.2f}x |")
     if any(len(d) > 1 for d in differences.values()):
         lines += ["", "| pair | model | seeds | mean BLEU difference to the Transformer | per seed |", "|---|---|---|---|---|"]
-        for (pair, model), d in differences.items():
+        for (pair, _, _, model), d in differences.items():
             lines.append(f"| {pair} | {model} | {len(d)} | {sum(d) / len(d):+.2f} | {', '.join(f'{x:+.2f}' for x in d)} |")
     lines.append(f"\nsacreBLEU signature: {rows[0]['signature']}")
     return "\n".join(lines)
@@ -270,9 +258,10 @@ def combined(paths):
     if len(set(budgets)) != 1:
         raise ToolError(f"--combine: these runs had different budgets ({'; '.join(sorted(set(budgets)))}); "
                  "their BLEU is not comparable")
-    undated = sorted({path for path, row in rows if "date" not in row})
+    undated = sorted({path for path, row in rows if not {"date", "model_id", "moa_config"} <= set(row)})
     if undated:
-        raise ToolError(f"--combine: the rows of {', '.join(undated)} carry no date; add the day each was measured")
+        raise ToolError(f"--combine: the rows of {', '.join(undated)} carry no date, model id or MoA configuration; "
+                        "add the day each was measured and the --models id and --moa-config that trained it")
     rows = [row for _, row in rows]
     seeds = sorted({r["seed"] for r in rows})
     rows.sort(key=lambda r: (r["pair"], r["seed"], r["date"]))
@@ -280,7 +269,7 @@ def combined(paths):
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="translation_multi30k.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.translation_multi30k", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", nargs="+", default=["en-de", "en-fr"], choices=["en-de", "en-fr"])
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=float, help="equal training wall time per model (default 11)")
@@ -300,16 +289,17 @@ def _main(argv):
                              "4K4E128D has the paper's Base proportions: k = the Transformer's heads, D = twice their width")
     parser.add_argument("--smoke", action="store_true", help="first 3000/200/100 lines, 2,000 pieces, 20 updates")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
-    parser.add_argument("--out", default=os.path.join(RESULTS, "translation-multi30k"),
+    parser.add_argument("--out", default=os.path.join(RESULTS, "multi30k", "translation-multi30k"),
                         help="output prefix for .json and .md")
     args = parser.parse_args(argv)
     try:
         chosen = models(args.moa_config)
     except ValueError as error:
         parser.error(str(error))
+    run = provenance("translation_multi30k", argv)
     if args.combine:
         rows, budget_text = combined(args.combine)
-        write_report(rows, budget_text, args.out)
+        write_report(rows, budget_text, args.out, run)
         return
     if not os.path.isdir(MULTI30K):
         raise ToolError(f"{MULTI30K} is missing: this benchmark reads the shared Multi30k folder "
@@ -331,25 +321,26 @@ def _main(argv):
     for pair in args.pairs:
         data_dir = prepare(pair, args.workdir, mirror, args.smoke)
         for seed in args.seeds:
-            for name, model_args in (chosen[key] for key in args.models):
-                row = train_and_score(name, model_args, pair, seed, data_dir, args.workdir, budget)
+            for model_id in args.models:
+                name, model_args = chosen[model_id]
+                row = train_and_score(model_id, args.moa_config, name, model_args, pair, seed, data_dir, args.workdir,
+                                      budget, run)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    write_report(rows, budget_text, args.out)
+    write_report(rows, budget_text, args.out, run)
 
 
-def write_report(rows, budget_text, out):
-    text = markdown(rows, budget_text)
+def write_report(rows, budget_text, out, run):
+    """``out``.json (the rows, each with the run that measured it, and the run that wrote the file) and
+    ``out``.md (the tables, and the command, commit and versions that wrote them)."""
+    text = markdown(rows, budget_text) + "\n\n" + provenance_line(run)
     print("\n" + text)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".json", "w", encoding="utf-8") as f:
-        json.dump({"budget": budget_text, "rows": rows}, f, indent=1)
-    with open(out + ".md", "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+    write_atomically(out + ".json", json.dumps({"budget": budget_text, "rows": rows, "run": run}, indent=1))
+    write_atomically(out + ".md", text + "\n")
 
 
 def main(argv=None) -> int:
-    return run_tool("translation_multi30k.py", _main, argv)
+    return run_tool("benchmarks.translation_multi30k", _main, argv)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import fairseq
 import pytest
 import torch
 from fairseq.data import Dictionary
@@ -55,7 +57,7 @@ def test_quick_benchmark_reports_every_module(tmp_path):
 def test_multi30k_translation_benchmark_smoke(tmp_path):
     out = tmp_path / "result"
     # a checkpoint left by an earlier run must not be resumed (fairseq would fail on this one)
-    stale = tmp_path / "work" / "en-de" / "seed1" / "MoA-4K8E64D-moa_small" / "checkpoint_last.pt"
+    stale = tmp_path / "work" / "en-de" / "seed1" / "moa" / "checkpoint_last.pt"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"left by an earlier run")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.translation_multi30k", "--smoke",
@@ -65,7 +67,14 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     report = json.loads((tmp_path / "result.json").read_text())
     moa_row, moa_self_row, moh_row, transformer_row = report["rows"][:4]
     keys = ("moa", "moa-self", "moh", "transformer")
+    assert [r["model_id"] for r in report["rows"]] == list(keys) * 2
     assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in keys] * 2
+    # every row and the file say what measured them: the command, the commit, the versions
+    run = report["run"]
+    assert run["command"].startswith("python -m benchmarks.translation_multi30k --smoke --pairs en-de --seeds 1 2")
+    assert re.fullmatch(r"[0-9a-f]{40}(\+changes)?", run["commit"])
+    assert (run["torch"], run["fairseq"]) == (torch.__version__, fairseq.__version__)
+    assert all(row["run"] == run for row in report["rows"])
     assert [r["seed"] for r in report["rows"]] == [1] * 4 + [2] * 4
     assert report["budget"] == "equal updates, 20 per model, batches of up to 2048 tokens, 200 warmup updates, seeds 1, 2"
     # the seed reaches fairseq: another initialisation and batch order, so another validation loss
@@ -86,6 +95,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     # MoH computes 3 of the 4 heads' queries, attention and output projections per token; K and V stay dense
     assert moh_row["macs_per_target_token"] < transformer_row["macs_per_target_token"]
     table = (tmp_path / "result.md").read_text()
+    assert f"Written by `{run['command']}` at commit {run['commit']}" in table
     date = moa_row["date"]
     assert f"| en-de | 1 | {date} | MoA 4K8E64D (moa_small) |" in table
     assert (f"| en-de | 1 | {date} | {MODEL_LABELS['moa-self']} | "
@@ -102,7 +112,9 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     subprocess.run([sys.executable, "-m", "benchmarks.translation_multi30k", "--combine",
                     str(tmp_path / "seed1.json"), str(tmp_path / "seed2.json"), "--out", str(tmp_path / "both")],
                    check=True, capture_output=True, cwd=ROOT)
-    assert json.loads((tmp_path / "both.json").read_text()) == report
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert (both["budget"], both["rows"]) == (report["budget"], report["rows"])
+    assert both["run"]["command"].startswith("python -m benchmarks.translation_multi30k --combine")
     assert mean in (tmp_path / "both.md").read_text()
 
 
@@ -123,7 +135,8 @@ def test_multi30k_moa_config_reaches_the_moa_models(capsys):
 
 def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path, capsys):
     def report(budget):
-        return {"budget": budget, "rows": [{"pair": "en-de", "model": MODEL_LABELS["transformer"], "sacrebleu": 20.0}]}
+        return {"budget": budget, "rows": [{"pair": "en-de", "model_id": "transformer", "moa_config": None, "model": MODEL_LABELS["transformer"],
+                                            "sacrebleu": 20.0}]}
 
     (tmp_path / "a.json").write_text(json.dumps(report("equal training time, 11 min per model, seed 1")))
     (tmp_path / "b.json").write_text(json.dumps(report(
@@ -131,6 +144,6 @@ def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path, capsys)
     code = translation_multi30k.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                                       "--out", str(tmp_path / "both")])
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith("translation_multi30k.py: error: --combine: these runs had different budgets")
+    assert code == 1 and err.startswith("benchmarks.translation_multi30k: error: --combine: these runs had different budgets")
     assert "batches of up to 2048 tokens, 200 warmup updates" in err
     assert not (tmp_path / "both.json").exists()

@@ -28,8 +28,8 @@ def add_moh_args(parser):
                         help="heads always active (the first H_S of each module)")
     parser.add_argument("--moh-top-k", type=int, metavar="K", help="routed heads selected per token, of the rest")
     parser.add_argument("--moh-gate-scale", choices=HEAD_GATE_SCALES,
-                        help="softmax: the paper's equations, alpha * softmax (default; it trained better on "
-                             "Multi30k); unit: the released code's scaling, 1 for every active head under uniform routers")
+                        help="softmax: the paper's equations, alpha * softmax (default); unit: the released code's "
+                             "scaling, 1 for every active head under uniform routers")
     parser.add_argument("--moh-router", choices=HEAD_ROUTERS,
                         help="learned: the paper's two-stage router (default); query-norm: no parameters, a routed "
                              "head's score is the L2 norm of its query and active heads get a gate of 1, with a "
