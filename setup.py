@@ -3,7 +3,8 @@ from setuptools import find_packages, setup
 setup(
     name="moa-fairseq",
     version="0.1.0",
-    description="Mixture-of-Attention-heads (MoA) models for fairseq",
+    description="Mixture-of-Attention-heads (MoA) and Mixture-of-Head (MoH) models for fairseq",
+    license="MIT",
     packages=find_packages(include=["moa", "moa.*", "moa_tools", "moa_tools.*"]),
     python_requires=">=3.9",
     install_requires=[

@@ -77,7 +77,7 @@ def test_head_similarity_is_one_for_equal_heads_and_zero_for_disjoint_ones():
 
 
 @pytest.mark.parametrize("kind", ["mha", "moh"])
-def test_every_head_recomputes_the_modules_weights_and_output(kind):
+def test_head_outputs_recompute_the_modules_weights_and_output(kind):
     torch.manual_seed(2)
     if kind == "mha":
         module = MultiheadAttention(16, 4, self_attention=True)
