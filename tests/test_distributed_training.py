@@ -43,7 +43,9 @@ def torchrun(nproc, script, *args):
     """``torchrun --standalone --nproc-per-node N SCRIPT ARGS`` with this venv; fails the test on error."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                script, *args]
-    proc = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(command, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
     if proc.returncode:
         pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stderr[-5000:]}")
     return proc
@@ -131,7 +133,6 @@ WORKER = textwrap.dedent("""
     import sys
     import torch
     import torch.distributed as dist
-    sys.path.insert(0, {tests!r})
     from test_distributed_training import routed_module, rank_input, module_loss
     from fairseq.distributed import LegacyDistributedDataParallel
 
@@ -198,7 +199,7 @@ def module_loss(wrapped, module, x):
 @pytest.mark.parametrize("backend", ["c10d", "legacy_ddp"])
 def test_an_expert_unused_on_one_rank_still_reduces_gradients(kind, backend, tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=os.path.join(ROOT, "tests")))
+    script.write_text(WORKER.format())
     torchrun(2, str(script), kind, backend, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert ranks[1]["used"] == [0] and len(ranks[0]["used"]) > 1  # rank 1 leaves every other expert unused
