@@ -1,6 +1,6 @@
 """Every change the plugin makes to fairseq (and to torch's loader), in one place.
 
-fairseq 0.12 has no hooks for what follows, so the plugin replaces four of its attributes when it is
+fairseq 0.12 has no hooks for what follows, so the plugin replaces seven of its attributes when it is
 imported, each by a function or class that wraps fairseq's own:
 
 ========================================================  ==========================================
@@ -17,7 +17,16 @@ replaced                                                  why
                                                           run may unpickle the training state
 ``fairseq.models.distributed_fairseq_model``              torch's DDP refuses the CUDA device ids
 ``.DistributedDataParallel``                              fairseq passes for a CPU module
+``fairseq.tasks.fairseq_task.FairseqTask``                a run resumed in a later epoch gets the
+``.get_batch_iterator``                                   batches of the run it continues
+``fairseq.checkpoint_utils.PathManager``                  checkpoint copies are atomic and flushed,
+                                                          so a kill never leaves half a file
+``fairseq.checkpoint_utils.load_checkpoint``              a damaged checkpoint_last.pt resumes from
+                                                          the newest complete one; a finished run
+                                                          stays finished
 ========================================================  ==========================================
+
+:mod:`moa.crash_safe_training` explains the last three.
 
 It also registers with torch's weights-only unpickler exactly the classes fairseq checkpoints hold
 (:func:`~moa.checkpoint_safety.fairseq_checkpoint_globals`), and undoes a side effect of importing
@@ -44,7 +53,7 @@ class Patch(NamedTuple):
 
 
 def _patches():
-    from moa import checkpoint_safety, distributed
+    from moa import checkpoint_safety, crash_safe_training, distributed
 
     return [
         Patch("fairseq.checkpoint_utils", "load_checkpoint_to_cpu", checkpoint_safety.checked_checkpoint_loader,
@@ -56,6 +65,13 @@ def _patches():
         Patch("fairseq.models.distributed_fairseq_model", "DistributedDataParallel",
               lambda fairseq_ddp: distributed.CPUAwareDistributedDataParallel,
               "torch's DDP without CUDA device ids for a CPU module"),
+        Patch("fairseq.tasks.fairseq_task", "FairseqTask.get_batch_iterator",
+              crash_safe_training.batches_as_from_the_first_epoch,
+              "a run resumed in a later epoch gets the batches of the run it continues"),
+        Patch("fairseq.checkpoint_utils", "PathManager", crash_safe_training.atomic_path_manager,
+              "checkpoint copies are atomic and flushed"),
+        Patch("fairseq.checkpoint_utils", "load_checkpoint", crash_safe_training.resuming_past_damage,
+              "a damaged checkpoint_last.pt resumes from the newest complete one; a finished run stays finished"),
     ]
 
 
@@ -66,13 +82,17 @@ def apply() -> None:
     _import_fairseq_keeping_logging()
     allow_fairseq_checkpoint_globals()
     for patch in _patches():
-        module = importlib.import_module(patch.module)
-        original = getattr(module, patch.attribute)
+        *owners, name = patch.attribute.split(".")
+        owner = importlib.import_module(patch.module)
+        for part in owners:  # a class's attribute: Class.method
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
         if getattr(original, "__moa_patch__", False):
             continue
         replacement = patch.replacement(original)
         replacement.__moa_patch__ = True
-        setattr(module, patch.attribute, replacement)
+        replacement.__wrapped__ = original
+        setattr(owner, name, replacement)
         logger.debug("moa replaces %s.%s: %s", patch.module, patch.attribute, patch.why)
 
 

@@ -73,8 +73,17 @@ def average(paths):
 
 
 def save_atomically(state: dict, path: str) -> None:
-    """``torch.save`` to a temporary name, renamed into place when complete."""
+    """``torch.save`` to a temporary name, flushed to disk and renamed into place when complete: a
+    kill at any moment leaves the old file or the new one, never part of one."""
     import torch
 
-    torch.save(state, path + ".tmp")
+    from moa_tools.textio import fsync_file
+
+    try:
+        torch.save(state, path + ".tmp")
+        fsync_file(path + ".tmp")
+    except BaseException:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise
     os.replace(path + ".tmp", path)

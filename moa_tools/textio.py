@@ -8,6 +8,7 @@ removed.
 """
 
 import os
+import shutil
 from contextlib import ExitStack, contextmanager
 from typing import IO, Iterable, Iterator, List
 
@@ -48,6 +49,8 @@ def atomic_text_outputs(*paths: str) -> Iterator[List[IO[str]]]:
     try:
         with ExitStack() as stack:
             yield [stack.enter_context(open(temp, "w", encoding="utf-8")) for temp in temps]
+        for temp in temps:
+            fsync_file(temp)
     except BaseException:
         for temp in temps:
             if os.path.exists(temp):
@@ -55,6 +58,27 @@ def atomic_text_outputs(*paths: str) -> Iterator[List[IO[str]]]:
         raise
     for temp, path in zip(temps, paths):
         os.replace(temp, path)
+
+
+def fsync_file(path: str) -> None:
+    """Flush a written file's data to the disk, so that renaming it into place publishes whole data
+    even after a crash of the machine."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_copy(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` through ``dst.tmp``, flushed and renamed into place: ``dst`` is always
+    either its old content or the whole copy."""
+    temporary = dst + ".tmp"
+    try:
+        shutil.copyfile(src, temporary)
+        fsync_file(temporary)
+        os.replace(temporary, dst)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
 
 
 def write_lines_atomically(path: str, lines: Iterable[str]) -> int:

@@ -36,6 +36,8 @@ BAD_INPUTS = [
      "unrecognized arguments: --moa-experts 8"),
     ("data parallelism on CPU without torchrun", [*TRAIN, *MOA, "--distributed-world-size", "2"],
      "launch one process per rank with torchrun"),
+    ("fully sharded training without CUDA", [*TRAIN, *MOA, "--ddp-backend", "fully_sharded"],
+     "--ddp-backend fully_sharded needs CUDA GPUs"),
     ("resume from another arch's checkpoint", [*TRAIN, *MOA, "--restore-file", "{moh_ckpt}"],
      "please ensure that the architectures match"),
     ("checkpoint of another dictionary size", [*GENERATE[:1], "{other_data}", *GENERATE[2:], "--path", "{ckpt}"],
@@ -47,8 +49,8 @@ BAD_INPUTS = [
                                                   "moa_masked_lm", "--optimizer", "adam", "--lr", "1e-3", "--cpu",
                                                   "--batch-size", "4", "--save-dir", "{out}/checkpoints"],
      "dict.txt"),
-    ("resume from a truncated checkpoint_last", [*TRAIN[:-1], "{truncated_dir}", *MOA],
-     "is truncated or corrupt"),
+    ("resume from a truncated checkpoint_last and nothing beside it", [*TRAIN[:-1], "{lonely_dir}", *MOA],
+     "holds no other complete checkpoint"),
     ("generate with a truncated checkpoint", [*GENERATE, "--path", "{truncated}"], "is truncated or corrupt"),
     ("average a truncated checkpoint", ["moa-average-checkpoints", "--inputs", "{ckpt}", "{truncated}",
                                         "--output", "{out}/averaged.pt"], "is truncated or corrupt"),
@@ -95,6 +97,10 @@ def inputs(tmp_path_factory):
     data = open(fields["ckpt"], "rb").read()
     (damaged / "checkpoint_last.pt").write_bytes(data[: len(data) // 2])
     fields["truncated_dir"], fields["truncated"] = str(damaged), str(damaged / "checkpoint_last.pt")
+    lonely = work / "lonely"  # a truncated checkpoint_last.pt alone (with one beside it, training continues)
+    lonely.mkdir()
+    (lonely / "checkpoint_last.pt").write_bytes(data[: len(data) // 2])
+    fields["lonely_dir"] = str(lonely)
     return work, fields
 
 
@@ -112,12 +118,12 @@ def test_a_wrong_input_stops_early_with_a_message_and_leaves_nothing(inputs, com
     (out / "empty.de").write_text("")
     (out / "latin1.en").write_bytes("a good line\nan accented caf\u00e9\n".encode("latin-1"))
     before = _files(out)
-    damaged_before = _files(fields["truncated_dir"])
+    damaged_before = _files(fields["truncated_dir"]), _files(fields["lonely_dir"])
     proc = run_cli(*[arg.format(out=out, **fields) for arg in command], check=False)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert _files(out) == before  # no checkpoint, output, .tmp or folder written
-    assert _files(fields["truncated_dir"]) == damaged_before
+    assert (_files(fields["truncated_dir"]), _files(fields["lonely_dir"])) == damaged_before
     if "is truncated or corrupt" in message and "moa-" not in command[0]:
         # the fix: the complete checkpoint beside the damaged one
         assert f"--restore-file {fields['truncated_dir']}/checkpoint_1_2.pt" in proc.stderr

@@ -1,0 +1,123 @@
+"""Training that survives being killed at any moment: exact resumes, complete checkpoint files, and a
+finished run that stays finished. What :mod:`moa.fairseq_patches` installs into fairseq:
+
+* **The same batches after a resume.** fairseq-fixed builds the training batches with numpy seeded by
+  ``seed + epoch`` of the epoch in which the batch iterator is created, and a run reuses that iterator
+  for every later epoch. A straight run creates it in epoch 1; a run resumed in epoch e > 1 created it
+  in epoch e, so it grouped the sentences into other batches and the first update after the resume
+  differed (for fairseq's own ``transformer`` too). :func:`batches_as_from_the_first_epoch` builds a
+  reusable iterator as epoch 1 does and then moves it to epoch e. (Iterators that are rebuilt every
+  epoch, as for sharded data, are left as fairseq makes them.)
+* **Complete files only.** fairseq writes the first file of a save through a temporary name but then
+  copies it to ``checkpoint_last.pt``, ``checkpoint_best.pt`` and the interval names with a plain copy,
+  so a kill during a copy left a truncated ``checkpoint_last.pt``. :class:`AtomicPathManager` copies
+  to a temporary name, flushes it to disk and renames it into place, and flushes every renamed file.
+* **Resuming past a damaged file.** A truncated or corrupt ``checkpoint_last.pt`` (left by an older
+  version, a full disk, a failing device) makes training continue from the newest complete checkpoint
+  beside it, saying so on stderr, instead of stopping (:func:`resuming_past_damage`).
+* **A finished run stays finished.** fairseq checks ``--max-update`` and ``--stop-time-hours`` only
+  after an update, so rerunning a finished command trained one update more and overwrote its
+  checkpoints; now it says the training is complete and exits without writing anything.
+"""
+
+import logging
+import os
+import sys
+
+from moa.checkpoint_safety import checkpoint_damage
+from moa_tools.textio import atomic_copy, fsync_file
+
+logger = logging.getLogger(__name__)
+
+
+def batches_as_from_the_first_epoch(get_batch_iterator):
+    """fairseq's ``FairseqTask.get_batch_iterator``, building a reusable iterator for a later epoch
+    (a resume) with the batches a run from the first epoch builds."""
+
+    def wrapper(self, dataset, *args, epoch=1, disable_iterator_cache=False, update_epoch_batch_itr=False,
+                **kwargs):
+        reusable = (not disable_iterator_cache and not update_epoch_batch_itr and self.can_reuse_epoch_itr(dataset)
+                    and not getattr(self.cfg, "rebuild_batches", False))
+        if not reusable or epoch <= 1 or dataset in self.dataset_to_epoch_iter:
+            return get_batch_iterator(self, dataset, *args, epoch=epoch, disable_iterator_cache=disable_iterator_cache,
+                                      update_epoch_batch_itr=update_epoch_batch_itr, **kwargs)
+        iterator = get_batch_iterator(self, dataset, *args, epoch=1, disable_iterator_cache=disable_iterator_cache,
+                                      update_epoch_batch_itr=update_epoch_batch_itr, **kwargs)
+        iterator.epoch = epoch
+        dataset.set_epoch(epoch)
+        return iterator
+
+    return wrapper
+
+
+def atomic_path_manager(path_manager):
+    """fairseq's ``PathManager`` (as ``checkpoint_utils`` sees it) with atomic, flushed copies and
+    renames of local files."""
+
+    class AtomicPathManager(path_manager):
+        @staticmethod
+        def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+            if "://" in src_path or "://" in dst_path:
+                return path_manager.copy(src_path, dst_path, overwrite)
+            if os.path.exists(dst_path) and not overwrite:
+                return False
+            atomic_copy(src_path, dst_path)
+            return True
+
+        @staticmethod
+        def rename(src: str, dst: str) -> None:
+            if "://" not in src:
+                fsync_file(src)
+            return path_manager.rename(src, dst)
+
+    return AtomicPathManager
+
+
+def resuming_past_damage(load_checkpoint):
+    """fairseq's training ``load_checkpoint``: a damaged ``checkpoint_last.pt`` resumes from the newest
+    complete checkpoint beside it; a run whose checkpoint is already finished stops there."""
+
+    def wrapper(cfg, trainer, **passthrough_args):
+        if cfg.restore_file == "checkpoint_last.pt":
+            last = os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
+            reason = checkpoint_damage(last)
+            if reason is not None:
+                newest = newest_complete_checkpoint(cfg.save_dir, exclude=last)
+                if newest is None:
+                    raise RuntimeError(f"{last} is truncated or corrupt: {reason}. {cfg.save_dir} holds no other "
+                                       "complete checkpoint: restore the file from a copy, or train again.")
+                print(f"fairseq-train: {last} is truncated or corrupt ({reason}); continuing from {newest}, the "
+                      "newest complete checkpoint beside it", file=sys.stderr, flush=True)
+                cfg.restore_file = newest
+        extra_state, epoch_itr = load_checkpoint(cfg, trainer, **passthrough_args)
+        finished = training_finished(trainer, epoch_itr)
+        if finished:
+            logger.info(f"training is complete: {finished}; nothing to train (change the stopping flags to "
+                        "train further)")
+            raise SystemExit(0)
+        return extra_state, epoch_itr
+
+    return wrapper
+
+
+def newest_complete_checkpoint(folder: str, exclude: str):
+    """The newest (by modification time) complete ``*.pt`` checkpoint in ``folder`` other than ``exclude``."""
+    candidates = sorted((os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".pt")),
+                        key=os.path.getmtime, reverse=True)
+    return next((path for path in candidates if os.path.abspath(path) != os.path.abspath(exclude)
+                 and checkpoint_damage(path) is None), None)
+
+
+def training_finished(trainer, epoch_itr):
+    """Why a resumed run has nothing left to train (its stopping flags are met), or None."""
+    optimization = trainer.cfg.optimization
+    updates = trainer.get_num_updates()
+    if optimization.max_update > 0 and updates >= optimization.max_update:
+        return f"the checkpoint has {updates} updates, --max-update is {optimization.max_update}"
+    max_epoch = optimization.max_epoch or float("inf")
+    if epoch_itr.next_epoch_idx > max_epoch:
+        return f"the checkpoint ends epoch {epoch_itr.next_epoch_idx - 1}, --max-epoch is {max_epoch}"
+    hours = optimization.stop_time_hours
+    if hours > 0 and trainer.cumulative_training_time() >= hours * 3600:
+        return f"the checkpoint has trained {trainer.cumulative_training_time() / 3600:.2f} hours, --stop-time-hours is {hours}"
+    return None
