@@ -18,7 +18,10 @@ setup(
         "matplotlib",  # moa-analyze's figures
         "tensorboardX",  # fairseq's --tensorboard-logdir
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={
+        "test": ["pytest"],
+        "fsdp": ["fairscale==0.4.13"],  # --ddp-backend fully_sharded, on CUDA GPUs
+    },
     entry_points={"console_scripts": [
         "moa-demo=moa_tools.commands.demo:main",
         "moa-fetch=moa_tools.commands.fetch:main",

@@ -19,8 +19,9 @@ state rank 0 broadcasts; :func:`broadcast_with_state_globals` allows what that h
 broadcast only, so checkpoint files keep the narrow allow-list.
 
 So ``torchrun --nproc-per-node 2 $(which fairseq-train) ... --cpu --distributed-backend gloo
---ddp-backend c10d`` (or ``legacy_ddp``) trains with two ranks. ``fully_sharded`` needs fairscale,
-which this project does not install; fairseq says so when it is asked for.
+--ddp-backend c10d`` (or ``legacy_ddp``) trains with two ranks. ``fully_sharded`` needs fairscale
+(``pip install -e .[fsdp]``) and CUDA: fairscale's FSDP gathers parameters on CUDA streams, so on a
+machine without CUDA asking for it is an error that names the CPU backends.
 """
 
 import os
@@ -38,6 +39,10 @@ def torchrun_aware_init_method(fairseq_infer_init_method):
     the rank from ``RANK`` on device 0; a CPU world size without torchrun is an error."""
 
     def infer_init_method(cfg, force_distributed=False):
+        if getattr(cfg, "ddp_backend", None) == "fully_sharded" and not torch.cuda.is_available():
+            raise ValueError("--ddp-backend fully_sharded needs CUDA GPUs: fairscale's FullyShardedDataParallel "
+                             "gathers parameters on CUDA streams. On CPU, train data-parallel with --ddp-backend "
+                             "c10d or legacy_ddp under torchrun")
         if cfg.distributed_init_method is None and all(name in os.environ for name in TORCHRUN_VARIABLES):
             cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
             if not torch.cuda.device_count() and cfg.distributed_world_size > 1:
