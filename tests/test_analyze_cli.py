@@ -21,6 +21,8 @@ COMMON = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim
           "--no-epoch-checkpoints", "--seed", "2"]
 MOA = ["--arch", "moa_small", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16",
        "--criterion", "moa_label_smoothed_cross_entropy"]
+MOH = ["--arch", "moh_small", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+       "--moh-shared-heads", "1", "--moh-top-k", "1", "--criterion", "moa_label_smoothed_cross_entropy"]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,11 @@ def trained(tmp_path_factory):
     run_cli("fairseq-train", data_bin, "--arch", "transformer", "--criterion", "label_smoothed_cross_entropy",
             "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", *COMMON,
             "--save-dir", str(work / "transformer"), "--max-update", "10")
+    run_cli("fairseq-train", data_bin, "--user-dir", USER_DIR, *MOH, *COMMON, "--save-dir", str(work / "moh"),
+            "--max-update", "10")
     return {"work": work, "data_bin": data_bin, "moa": str(work / "moa" / "checkpoint_last.pt"),
-            "transformer": str(work / "transformer" / "checkpoint_last.pt")}
+            "transformer": str(work / "transformer" / "checkpoint_last.pt"),
+            "moh": str(work / "moh" / "checkpoint_last.pt")}
 
 
 def test_analysis_of_moa_beside_a_transformer(trained):
@@ -61,6 +66,20 @@ def test_analysis_of_moa_beside_a_transformer(trained):
     assert "specialisation does not apply" in table
     for png in ("load_heatmap.png", "router_entropy.png", "head_similarity.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_analysis_of_moh(trained):
+    out = trained["work"] / "analysis-moh"
+    run_cli("moa-analyze", trained["moh"], trained["data_bin"], "--subset", "test", "--out", str(out),
+            "--min-count", "2")
+    (moh,) = json.loads((out / "routing.json").read_text())["checkpoints"]
+    assert moh["family"] == "MoH" and len(moh["modules"]) == 6 and len(moh["similarity"]) == 6
+    for module in moh["modules"]:  # 1 shared + top-1 of 3 routed heads
+        assert (module["experts"], module["top_k"]) == (3, 1) and module["active_fraction"] == pytest.approx(0.5)
+        assert sum(module["load"]) == pytest.approx(1.0) and 0 < module["router_entropy"] <= math.log(3) + 1e-9
+        assert 0 < module["alpha1"] < 1 and module["alpha1"] + module["alpha2"] == pytest.approx(1.0)
+    assert all(measure["heads"] == 4 for measure in moh["similarity"])
+    assert "Layer 1, 3 routed heads, top-1" in (out / "specialisation.md").read_text()
 
 
 def test_a_missing_subset_is_named_before_any_work(trained):

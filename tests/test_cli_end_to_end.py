@@ -1,13 +1,16 @@
 """The real fairseq CLIs in subprocesses: preprocess -> train -> generate -> score -> resume,
 validation, safe checkpoint loading, and the moa-demo main job on a small budget."""
 
+import math
 import os
 import pickle
 import re
+import shutil
 
 import pytest
 import sacrebleu
 import torch
+from fairseq.data import Dictionary
 
 from helpers import run_cli
 from moa.checkpoint_safety import fairseq_checkpoint_globals
@@ -47,8 +50,10 @@ def test_training_logs_moa_figures(trained):
     last = [line for line in log.splitlines() if "| train |" in line][-1]
     figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
     assert int(figures["num_updates"]) == 20
-    assert float(figures["moa_la"]) >= 1.0 - 1e-3  # L_a >= 1, with equality only when balanced
-    assert float(figures["moa_lz"]) > 0 and float(figures["moa_load_cv"]) >= 0
+    # the ranges the definitions allow, with E = 4 experts: 0 < L_a = E sum f P <= E; L_z > 0;
+    # 0 <= load CV <= sqrt(E - 1) (every assignment to one expert)
+    assert 0 < float(figures["moa_la"]) <= 4
+    assert float(figures["moa_lz"]) > 0 and 0 <= float(figures["moa_load_cv"]) <= 3 ** 0.5
 
 
 def test_generate_translates_every_test_sentence_and_scores(trained):
@@ -82,7 +87,8 @@ def test_validate_reports_loss(trained):
                    "--required-batch-size-multiple", "1", "--max-tokens", "2048")
     match = re.search(r"valid on 'valid' subset \| loss ([\d.]+) \| nll_loss ([\d.]+)", proc.stdout + proc.stderr)
     assert match, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert float(match.group(2)) < 12  # below the uniform guess, log2(|dict|) > 7, and finite
+    uniform = math.log2(len(Dictionary.load(os.path.join(trained["data_bin"], "dict.de.txt"))))
+    assert 0 < float(match.group(2)) < uniform  # the trained model beats the uniform guess
 
 
 def test_checkpoint_needs_only_the_allow_list(trained):
@@ -113,12 +119,14 @@ def test_generate_refuses_a_checkpoint_that_would_run_code(trained, tmp_path):
     assert not marker.exists()
 
 
-def test_resume_continues_from_the_checkpoint(trained):
+def test_resume_continues_from_the_checkpoint(trained, tmp_path):
+    ckpt = str(tmp_path / "checkpoints")  # a copy: the shared fixture stays at 20 updates for the other tests
+    shutil.copytree(trained["ckpt"], ckpt)
     proc = run_cli("fairseq-train", trained["data_bin"], "--user-dir", USER_DIR, *TRAIN,
-                   "--save-dir", trained["ckpt"], "--max-update", "30")
+                   "--save-dir", ckpt, "--max-update", "30")
     log = proc.stdout + proc.stderr
     assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt .*\(epoch \d+ @ 20 updates\)", log), log[-3000:]
-    state = torch.load(os.path.join(trained["ckpt"], "checkpoint_last.pt"), map_location="cpu")
+    state = torch.load(os.path.join(ckpt, "checkpoint_last.pt"), map_location="cpu")
     assert state["optimizer_history"][-1]["num_updates"] == 30
 
 
@@ -167,12 +175,12 @@ def trained_moh(trained, tmp_path_factory):
     return dict(trained, ckpt=ckpt, train_log=train.stdout + train.stderr)
 
 
-def test_moh_trains_translates_every_test_sentence_scores_and_resumes(trained_moh):
+def test_moh_trains_translates_every_test_sentence_scores_and_resumes(trained_moh, tmp_path):
     log = trained_moh["train_log"]
     assert "MoHTransformerModel" in log and "MixtureOfHeadsAttention" in log
     last = dict(re.findall(r"\| (\w+) ([-\d.]+)", [line for line in log.splitlines() if "| train |" in line][-1]))
     assert int(last["num_updates"]) == 20 and float(last["moh_active"]) == pytest.approx(0.75)
-    assert float(last["moh_lb"]) >= 2 / 3 - 1e-3  # 1 shared + top-2 of 3: sum P f >= K / E
+    assert 0 < float(last["moh_lb"]) <= 2  # 1 shared + top-2 of 3: L_b = sum P f with sum f = K = 2
     checkpoint = os.path.join(trained_moh["ckpt"], "checkpoint_last.pt")
     proc = run_cli("fairseq-generate", trained_moh["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset",
                    "test", "--path", checkpoint, "--beam", "4", "--lenpen", "0.6", "--batch-size", "8",
@@ -183,8 +191,11 @@ def test_moh_trains_translates_every_test_sentence_scores_and_resumes(trained_mo
     assert f"Translated {TEST_SENTENCES} sentences" in proc.stdout + proc.stderr
     scored = run_cli("moa-score", generate_log, os.path.join(trained_moh["raw"], "test.ref.de"), "--lang", "de")
     assert f"{TEST_SENTENCES} of {TEST_SENTENCES} test sentences translated" in scored.stdout
+    resumed_dir = os.path.join(str(tmp_path), "checkpoints")  # a copy: the fixture stays as it was
+    shutil.copytree(trained_moh["ckpt"], resumed_dir)
     again = run_cli("fairseq-train", trained_moh["data_bin"], "--user-dir", USER_DIR, *MOH_TRAIN,
-                    "--save-dir", trained_moh["ckpt"], "--max-update", "30")
+                    "--save-dir", resumed_dir, "--max-update", "30")
     resumed = again.stdout + again.stderr
     assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt .*\(epoch \d+ @ 20 updates\)", resumed)
-    assert torch.load(checkpoint, map_location="cpu")["optimizer_history"][-1]["num_updates"] == 30
+    last_state = torch.load(os.path.join(resumed_dir, "checkpoint_last.pt"), map_location="cpu")
+    assert last_state["optimizer_history"][-1]["num_updates"] == 30

@@ -1,27 +1,47 @@
 """Incremental decoding (beam search's path) equals the full causal forward of the decoder, for
-MoA and MoH models."""
+MoA and MoH models whose routers send tokens to different experts or heads: MoA with a drawn router
+(a zero router would send every token to the same experts), MoH's learned and query-norm routers,
+and MoH's sparse decoding path (only the selected heads computed per step) beside its default."""
 
 import pytest
 import torch
 
 from helpers import build_model
+from moa.models.routed_transformer import pop_named_routings
 from moa.moa_attention import MixtureOfAttentionHeads
+from moa.moh_attention import MixtureOfHeadsAttention
 
-MODELS = {"moa-routed-2of4": ("moa_small", ["--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8"]),
-          "moa-dense-4of4": ("moa_small", ["--moa-experts", "4", "--moa-top-k", "4", "--moa-head-dim", "8"]),
-          "moh-1+top1of3": ("moh_small", ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-                                          "--moh-shared-heads", "1", "--moh-top-k", "1"]),
-          "moh-1+top3of3": ("moh_small", ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-                                          "--moh-shared-heads", "1", "--moh-top-k", "3"])}
+MOA = ["--moa-experts", "4", "--moa-head-dim", "8", "--moa-router-init", "normal"]
+MOH = ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--moh-shared-heads", "1"]
+MODELS = {  # id: (arch, flags, MoH's sparse decoding path)
+    "moa-routed-2of4": ("moa_small", MOA + ["--moa-top-k", "2"], False),
+    "moa-dense-4of4": ("moa_small", MOA + ["--moa-top-k", "4"], False),
+    "moh-1+top1of3": ("moh_small", MOH + ["--moh-top-k", "1"], False),
+    "moh-1+top1of3-sparse-decoding": ("moh_small", MOH + ["--moh-top-k", "1"], True),
+    "moh-1+top3of3": ("moh_small", MOH + ["--moh-top-k", "3"], False),
+    "moh-query-norm-1+top1of3": ("moh_small", MOH + ["--moh-top-k", "1", "--moh-router", "query-norm"], False),
+    "moh-query-norm-1+top2of3-sparse-decoding": ("moh_small", MOH + ["--moh-top-k", "2", "--moh-router", "query-norm"],
+                                                 True),
+}
 
 
 @pytest.fixture(params=list(MODELS))
 def any_tiny_model(request):
-    arch, extra = MODELS[request.param]
+    arch, extra, sparse_decoding = MODELS[request.param]
     torch.manual_seed(0)
     shape = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
              "--encoder-ffn-embed-dim", "64", "--dropout", "0", "--attention-dropout", "0"]
-    return build_model(arch, 40, shape + extra).eval()
+    model = build_model(arch, 40, shape + extra).eval()
+    for module in model.modules():
+        if isinstance(module, MixtureOfHeadsAttention):
+            module.decode_all_heads = not sparse_decoding
+    return model
+
+
+def _decoder_choices(model):
+    """The first choice of every query token of the decoder's routed self-attention modules, popped."""
+    return [routing.selected[:, 0] for name, routing in pop_named_routings(model)
+            if name.startswith("decoder.") and name.endswith("self_attn") and routing.selected is not None]
 
 
 def _encode(model, src_tokens):
@@ -44,10 +64,14 @@ def test_step_by_step_equals_full_forward(any_tiny_model):
     with torch.no_grad():
         encoder_out = _encode(tiny_model, src)
         full = _full_logits(tiny_model, encoder_out, prev)
-        state = {}
-        steps = [tiny_model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
-                 for t in range(prev.size(1))]
+        pop_named_routings(tiny_model)
+        state, steps, choices = {}, [], []
+        for t in range(prev.size(1)):
+            steps.append(tiny_model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0])
+            choices += _decoder_choices(tiny_model)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+    if choices:  # the routers did route: the decoded tokens did not all take the same expert or head
+        assert len(set(torch.cat(choices).tolist())) > 1
 
 
 def test_cache_holds_one_shared_head(tiny_model):

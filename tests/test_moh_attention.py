@@ -11,9 +11,27 @@ from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routing import TwoStageHeadRouter
 
 
+def reference_query_norm_gates(m: MixtureOfHeadsAttention, x):
+    """One token's gate per head under the query-norm router: 1 for the shared heads and for the top-K
+    routed heads by the L2 norm of their query, carrying the gradient of p = softmax(s / mean s)
+    through a straight-through estimator 1 + p - detach(p)."""
+    r, d = m.router, m.head_dim
+    gates = torch.zeros(m.num_heads, dtype=x.dtype)
+    gates[:r.shared_heads] = 1.0
+    if r.top_k:
+        norms = torch.stack([(x @ m.q_proj.weight[i * d:(i + 1) * d].T + m.q_proj.bias[i * d:(i + 1) * d]).norm()
+                             for i in range(r.shared_heads, m.num_heads)])
+        p = torch.softmax(norms / norms.mean(), dim=0)
+        for i in p.topk(r.top_k).indices.tolist():
+            gates[r.shared_heads + i] = 1.0 + p[i] - p[i].detach()
+    return gates
+
+
 def reference_gates(m: MixtureOfHeadsAttention, x):
     """One token's gate per head, from the equations (Sec. 3.2) or the released code's scaling."""
     r = m.router
+    if r.needs_routed_queries:
+        return reference_query_norm_gates(m, x)
     unit = r.gate_scale == "unit"
     gates = torch.zeros(m.num_heads, dtype=x.dtype)
     alpha = torch.ones(2, dtype=x.dtype)
@@ -120,6 +138,30 @@ def test_cross_attention_matches_the_reference():
     padding = torch.zeros(2, 9, dtype=torch.bool)
     padding[0, :3] = True
     _check(m, query, memory, memory, key_padding_mask=padding)
+
+
+QUERY_NORM = [(8, 2, 3), (4, 1, 1), (6, 0, 2)]  # fewer active heads than routed ones
+
+
+@pytest.mark.parametrize("heads, shared, top_k", QUERY_NORM, ids=[f"h{h}-s{s}-k{k}" for h, s, k in QUERY_NORM])
+def test_query_norm_router_matches_the_reference_with_padding_causal_masks_and_cross_attention(heads, shared, top_k):
+    m = _module(heads, shared, top_k, self_attention=True, router="query-norm")
+    x = torch.randn(7, 3, 24, dtype=torch.double)
+    padding = torch.zeros(3, 7, dtype=torch.bool)
+    padding[0, 5:] = True
+    padding[2, :2] = True
+    _check(m, x, x, x, key_padding_mask=padding)
+    future = torch.triu(torch.full((7, 7), float("-inf"), dtype=torch.double), 1)
+    right_padding = torch.zeros(3, 7, dtype=torch.bool)
+    right_padding[1, 4:] = True  # a causal mask goes with right padding (the decoder's target side)
+    _check(m, x, x, x, key_padding_mask=right_padding, attn_mask=future)
+    cross = _module(heads, shared, top_k, kdim=16, vdim=16, encoder_decoder_attention=True, router="query-norm")
+    memory = torch.randn(9, 3, 16, dtype=torch.double)
+    memory_padding = torch.zeros(3, 9, dtype=torch.bool)
+    memory_padding[1, :4] = True
+    _check(cross, x, memory, memory, key_padding_mask=memory_padding)
+    # the tokens did not all select the same routed heads
+    assert len({tuple(row) for row in cross.routing.selected.tolist()}) > 1
 
 
 def test_active_heads_path_equals_computing_every_head():

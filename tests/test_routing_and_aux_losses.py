@@ -67,12 +67,17 @@ def test_renormalised_weights_sum_to_one_and_detach_the_denominator():
     x = torch.randn(4, 8)
     routing = router(x)
     torch.testing.assert_close(routing.gates.sum(-1), torch.ones(4))
-    # d w_0 / d p_0 is 1 / sum(top p) (denominator detached), not (sum - p_0) / sum^2.
-    probs = torch.softmax(x @ router.weight.detach().T, -1)
-    top = probs.topk(3).values
+    weight = router.weight.detach().clone().requires_grad_()
+    top = torch.softmax(x @ weight.T, -1).topk(3).values
     raw = _router(router.weight.detach(), 3, "raw")(x)
-    torch.testing.assert_close(raw.gates, top)
-    torch.testing.assert_close(routing.gates, top / top.sum(-1, keepdim=True))
+    torch.testing.assert_close(raw.gates, top.detach())
+    torch.testing.assert_close(routing.gates, (top / top.sum(-1, keepdim=True)).detach())
+    # the gradient: d w_0 / d p_0 is 1 / sum(top p) (denominator detached), not (sum - p_0) / sum^2
+    got = torch.autograd.grad(routing.gates[:, 0].sum(), router.weight)[0]
+    detached = torch.autograd.grad((top[:, 0] / top.sum(-1).detach()).sum(), weight, retain_graph=True)[0]
+    attached = torch.autograd.grad((top[:, 0] / top.sum(-1)).sum(), weight)[0]
+    torch.testing.assert_close(got, detached)
+    assert not torch.allclose(got, attached, atol=1e-4)
 
 
 def test_all_experts_selected_balances_trivially():
