@@ -17,7 +17,7 @@ import time
 from moa_tools import USER_DIR, fairseq_command, run_logged, run_tool
 from moa_tools.number_phrases import generate_splits
 from moa_tools.scoring import bleu_report, ordered_hypotheses, read_hypotheses
-from moa_tools.textio import read_lines
+from moa_tools.textio import read_lines, write_lines_atomically
 
 
 def write_corpus(folder: str, sizes: dict, seed: int) -> None:
@@ -25,8 +25,7 @@ def write_corpus(folder: str, sizes: dict, seed: int) -> None:
     os.makedirs(folder, exist_ok=True)
     for split, pairs in generate_splits(sizes, seed).items():
         for suffix, column in (("en", 0), ("de", 1), ("ref.de", 3)):
-            with open(os.path.join(folder, f"{split}.{suffix}"), "w", encoding="utf-8") as f:
-                f.writelines(pair[column] + "\n" for pair in pairs)
+            write_lines_atomically(os.path.join(folder, f"{split}.{suffix}"), (pair[column] for pair in pairs))
 
 
 def _step(cmd, log_path: str, on_line=None) -> None:

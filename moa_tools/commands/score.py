@@ -14,7 +14,7 @@ import sys
 
 from moa_tools import run_tool
 from moa_tools.scoring import bleu_report, ordered_hypotheses, read_hypotheses
-from moa_tools.textio import read_lines
+from moa_tools.textio import atomic_text_outputs, read_lines
 
 
 def _main(argv) -> int:
@@ -31,7 +31,7 @@ def _main(argv) -> int:
     print(f"{report.sentences} of {len(references)} test sentences translated")
     print("\n".join(report.lines()))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+        with atomic_text_outputs(args.json) as (f,):
             json.dump(report.__dict__, f, indent=1)
     return 0
 
