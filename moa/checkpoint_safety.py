@@ -88,16 +88,21 @@ def damaged_checkpoint_message(path: str, reason: str) -> str:
     """What is wrong with a damaged checkpoint and what to use instead: the newest complete checkpoint
     beside it."""
     folder = os.path.dirname(os.path.abspath(path))
-    others = sorted((os.path.join(folder, name) for name in os.listdir(folder)
-                     if name.endswith(".pt") and os.path.join(folder, name) != os.path.abspath(path)),
-                    key=os.path.getmtime, reverse=True)
-    newest = next((other for other in others if checkpoint_damage(other) is None), None)
+    newest = newest_complete_checkpoint(folder, exclude=path)
     if newest:
         fix = (f"Start from the newest complete checkpoint beside it instead: fairseq-train ... --restore-file "
                f"{newest} to resume training, --path {newest} to evaluate.")
     else:
         fix = f"{folder} holds no other complete checkpoint: restore the file from a copy, or train again."
     return f"{path} is truncated or corrupt: {reason}. {fix}"
+
+
+def newest_complete_checkpoint(folder: str, exclude: str) -> Optional[str]:
+    """The newest (by modification time) complete ``*.pt`` checkpoint in ``folder`` other than ``exclude``."""
+    candidates = sorted((os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".pt")),
+                        key=os.path.getmtime, reverse=True)
+    return next((path for path in candidates if os.path.abspath(path) != os.path.abspath(exclude)
+                 and checkpoint_damage(path) is None), None)
 
 
 def check_checkpoint_file(path: str) -> None:

@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 
-from moa.checkpoint_safety import checkpoint_damage
+from moa.checkpoint_safety import checkpoint_damage, newest_complete_checkpoint
 from moa_tools.textio import atomic_copy, fsync_file
 
 logger = logging.getLogger(__name__)
@@ -100,14 +100,6 @@ def resuming_past_damage(load_checkpoint):
     return wrapper
 
 
-def newest_complete_checkpoint(folder: str, exclude: str):
-    """The newest (by modification time) complete ``*.pt`` checkpoint in ``folder`` other than ``exclude``."""
-    candidates = sorted((os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".pt")),
-                        key=os.path.getmtime, reverse=True)
-    return next((path for path in candidates if os.path.abspath(path) != os.path.abspath(exclude)
-                 and checkpoint_damage(path) is None), None)
-
-
 def training_finished(trainer, epoch_itr):
     """Why a resumed run has nothing left to train (its stopping flags are met), or None."""
     optimization = trainer.cfg.optimization
@@ -117,7 +109,7 @@ def training_finished(trainer, epoch_itr):
     max_epoch = optimization.max_epoch or float("inf")
     if epoch_itr.next_epoch_idx > max_epoch:
         return f"the checkpoint ends epoch {epoch_itr.next_epoch_idx - 1}, --max-epoch is {max_epoch}"
-    hours = optimization.stop_time_hours
-    if hours > 0 and trainer.cumulative_training_time() >= hours * 3600:
-        return f"the checkpoint has trained {trainer.cumulative_training_time() / 3600:.2f} hours, --stop-time-hours is {hours}"
+    hours, trained = optimization.stop_time_hours, trainer.cumulative_training_time()
+    if hours > 0 and trained >= hours * 3600:
+        return f"the checkpoint has trained {trained / 3600:.2f} hours, --stop-time-hours is {hours}"
     return None

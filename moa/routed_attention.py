@@ -23,7 +23,7 @@ decision of the queries (unless ``record_routing`` is off, as in the backward's 
 activation checkpointing); the model hands it to the criterion (``pop_named_routings``).
 """
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +79,7 @@ class RoutedAttention(nn.Module):
         if embed_dim != self.embed_dim:
             raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
         keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
-                                                               static_kv, self._project_key_value)
+                                                               static_kv)
         x = query.reshape(tgt_len * bsz, embed_dim)
         routing, routed_queries = self.route(x, self.flat_query_padding(key_padding_mask, incremental_state,
                                                                         tgt_len, bsz))
@@ -127,11 +127,10 @@ class RoutedAttention(nn.Module):
             self.routing = routing
 
     def cached_key_value(self, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                         incremental_state: IncrementalState, static_kv: bool,
-                         project: Callable[[Tensor, Tensor], Tuple[Tensor, Tensor]]):
-        """``project(key, value)`` -> (keys, values), through the incremental cache.
+                         incremental_state: IncrementalState, static_kv: bool):
+        """The subclass's ``_project_key_value(key, value)`` -> (keys, values), through the incremental cache.
 
-        key/value: (src_len, batch, dim). Returns keys, values in ``project``'s layout (time on
+        key/value: (src_len, batch, dim). Returns keys, values in the subclass's layout (time on
         ``time_dim``) and the key padding mask (batch, len) that goes with them.
         """
         saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
@@ -139,7 +138,7 @@ class RoutedAttention(nn.Module):
             return saved["prev_key"], saved["prev_value"], key_padding_mask
         if key is None or value is None:
             raise ValueError(f"{type(self).__name__} needs key and value unless they are cached (static_kv)")
-        keys, values = project(key, value)
+        keys, values = self._project_key_value(key, value)
         if saved is not None:
             if not static_kv and "prev_key" in saved:
                 prev_len = saved["prev_key"].size(self.time_dim)

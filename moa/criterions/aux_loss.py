@@ -9,6 +9,10 @@ auxiliary part is added as ``sample_size * (...)``: after the division its weigh
 loss are exactly alpha, beta and moh_beta. The authors' MoA code adds its part unscaled, weakening it
 by the batch's token count; ``--moa-aux-loss-scale per-batch`` gives that.
 
+Logged beside fairseq's figures: ``aux_loss`` (what the routers' terms add, base 2 like ``loss``) and,
+as means over the modules of each kind, ``moa_la`` (1.0 = balanced), ``moa_lz``, ``moa_load_cv``,
+``moh_lb``, ``moh_active``, ``moh_alpha1`` and ``moh_load_cv`` (0 = balanced).
+
 The model hands its routing decisions over explicitly: ``model.pop_named_routings()``
 (:class:`~moa.models.routed_transformer.RoutedModel`). With ``--log-routing-by-module`` the
 criterion also logs each module's figures as ``routing/TYPE.LAYER/FIGURE`` (``load_cv``, ``la``,
@@ -29,16 +33,6 @@ from moa.models.routed_transformer import attention_site, pop_named_routings
 
 AUX_LOSS_SCALES = ("per-token", "per-batch")
 AUX_LOSS = "aux_loss"
-LOGGED = {
-    AUX_LOSS: "the auxiliary part training adds to the task loss (MoA's and MoH's terms), base 2 like loss",
-    "moa_la": "L_a, mean over MoA modules (1.0 = balanced)",
-    "moa_lz": "L_z, mean over MoA modules",
-    "moa_load_cv": "coefficient of variation of expert load, mean over MoA modules (0 = balanced)",
-    "moh_lb": "L_b, mean over MoH modules",
-    "moh_active": "fraction of heads active per token, mean over MoH modules",
-    "moh_alpha1": "alpha1 (the shared heads' weight), mean over MoH modules and tokens",
-    "moh_load_cv": "coefficient of variation of routed-head load, mean over MoH modules (0 = balanced)",
-}
 
 
 @dataclass
