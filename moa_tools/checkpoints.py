@@ -77,13 +77,7 @@ def save_atomically(state: dict, path: str) -> None:
     kill at any moment leaves the old file or the new one, never part of one."""
     import torch
 
-    from moa_tools.textio import fsync_file
+    from moa_tools.textio import atomic_file
 
-    try:
-        torch.save(state, path + ".tmp")
-        fsync_file(path + ".tmp")
-    except BaseException:
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
-        raise
-    os.replace(path + ".tmp", path)
+    with atomic_file(path) as temporary:
+        torch.save(state, temporary)

@@ -67,18 +67,25 @@ def fsync_file(path: str) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_copy(src: str, dst: str) -> None:
-    """Copy ``src`` to ``dst`` through ``dst.tmp``, flushed and renamed into place: ``dst`` is always
-    either its old content or the whole copy."""
-    temporary = dst + ".tmp"
+@contextmanager
+def atomic_file(path: str) -> Iterator[str]:
+    """Yield ``path.tmp`` to write; when the block finishes, flush it to disk and rename it to ``path``.
+    If the block raises, the temporary file is removed and ``path`` is left as it was."""
+    temporary = path + ".tmp"
     try:
-        shutil.copyfile(src, temporary)
+        yield temporary
         fsync_file(temporary)
-        os.replace(temporary, dst)
     except BaseException:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
+    os.replace(temporary, path)
+
+
+def atomic_copy(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` so that ``dst`` is always either its old content or the whole copy."""
+    with atomic_file(dst) as temporary:
+        shutil.copyfile(src, temporary)
 
 
 def write_lines_atomically(path: str, lines: Iterable[str]) -> int:
