@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import moa  # noqa: F401  (registers the plugin)
 from benchmarks.authors_style_moa import AuthorsStyleMoA
-from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
+from benchmarks.common import RESULTS, ROOT, provenance, provenance_line, write_atomically
 from fairseq.modules.multihead_attention import MultiheadAttention
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
@@ -151,7 +151,7 @@ def module_grid(device, repeats, token_counts, seq_lens, peak):
     return rows
 
 
-SECTIONS = ("modules", "moh", "models")
+SECTIONS = ("modules", "moh", "small", "models")
 MOH_D_MODEL, MOH_HEADS = 1024, 16
 MOH_CONFIGS = {"MoH 75% (8 + top-4 of 8)": (8, 4), "MoH 50% (4 + top-4 of 12)": (4, 4)}
 
@@ -231,60 +231,230 @@ def criterion_for(model, arch):
     return CRITERION_REGISTRY[name](task, sentence_avg=False, label_smoothing=0.1)
 
 
-def train_step_fn(arch, device, bsz, length):
-    model = build_translation_model(arch, dictionary_of_size(32768)).to(device).train()
+SHAPES = {  # section -> archs (the first is the reference), extra flags, dictionary size, batch, length, beam sentences
+    "small": (("transformer", "moa_small", "moh_small"),
+              ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "256",
+               "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
+               "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+               "--dropout", "0.3", "--attention-dropout", "0.1"],  # the Multi30k benchmark's shape and dropouts
+              8000, 128, 16, 32),
+    "models": (("transformer_wmt_en_de", "moa_base", "moh_base"), [], 32768, 64, 32, 16),
+}
+
+
+def shape_model(section, arch, device):
+    """The model of ``arch`` at the shape of ``section`` (see :data:`SHAPES`), on a joined dictionary."""
+    _, flags, dictionary_size, *_ = SHAPES[section]
+    torch.manual_seed(0)
+    return build_translation_model(arch, dictionary_of_size(dictionary_size), flags).to(device)
+
+
+def train_step(model, arch, sample):
+    """One update as fairseq-train makes it: criterion forward, backward, Adam step."""
     criterion = criterion_for(model, arch)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    sample = synthetic_batch(model, bsz, length, length, device)
 
     def step():
+        model.train()
         optimizer.zero_grad(set_to_none=True)
         loss, _, _ = criterion(model, sample)
         loss.backward()
         optimizer.step()
 
-    return model, sample, step
+    return step
 
 
-def model_level(device, repeats, archs, bsz=64, length=32, beam_batch=16):
+def beam_decode(model, sample, sentences, length, beam=4):
+    """Beam-``beam`` decoding of the first ``sentences`` sources, every hypothesis forced to ``length`` tokens."""
     from fairseq.sequence_generator import SequenceGenerator
 
+    generator = SequenceGenerator([model], model.decoder.dictionary, beam_size=beam, max_len_a=0,
+                                  max_len_b=length, min_len=length)
+    src = sample["net_input"]["src_tokens"][:sentences]
+    batch = {"net_input": {"src_tokens": src, "src_lengths": torch.full((sentences,), src.size(1), device=src.device)}}
+
+    def decode():
+        model.eval()
+        with torch.no_grad():
+            generator.generate([model], batch)
+
+    return decode
+
+
+def side_by_side(section, device, rounds, profile_dir=None):
+    """Whole models of one shape (:data:`SHAPES`) side by side: a training step on a batch x length
+    batch and beam-4 decoding of the first sentences forced to ``length`` tokens, each model timed in
+    turn, round after round (the first round warms up); every ratio is the median over rounds of the
+    per-round ratio to the first arch. Peak training memory comes from a fresh process per model.
+    With ``profile_dir``, one more step and decode of each model run under torch.profiler and their
+    tables are written there."""
+    archs, _, _, bsz, length, sentences = SHAPES[section]
+    jobs, facts = {}, {}
+    for arch in archs:
+        model = shape_model(section, arch, device)
+        sample = synthetic_batch(model, bsz, length, length, device)
+        jobs[arch] = {"train": train_step(model, arch, sample), "decode": beam_decode(model, sample, sentences, length)}
+        facts[arch] = {"parameters": sum(p.numel() for p in model.parameters()),
+                       "kv_cache_bytes_per_token_per_layer": kv_cache_bytes_per_token_layer(model, device)}
+    times = {(arch, job): [] for arch in archs for job in ("train", "decode")}
+    for _ in range(rounds + 1):
+        for arch in archs:
+            for job in ("train", "decode"):
+                times[(arch, job)].append(median_time(jobs[arch][job], device, 1, warmup=0))
     rows = []
     for arch in archs:
-        model, sample, step = train_step_fn(arch, device, bsz, length)
-        seconds = median_time(step, device, repeats, warmup=1)
-        src = sample["net_input"]["src_tokens"][:beam_batch]
-        generator = SequenceGenerator([model.eval()], model.decoder.dictionary, beam_size=4, max_len_a=0,
-                                      max_len_b=length, min_len=length)
-        batch = {"net_input": {"src_tokens": src, "src_lengths": torch.full((beam_batch,), length, device=device)}}
-        with torch.no_grad():
-            beam_seconds = median_time(lambda: generator.generate([model], batch), device, repeats, warmup=1)
-        row = {"arch": arch, "parameters": sum(p.numel() for p in model.parameters()),
-               "train_words_per_s": sample["ntokens"] / seconds, "train_step_ms": seconds * 1e3,
-               "beam4_sentences_per_s": beam_batch / beam_seconds,
-               "kv_cache_bytes_per_token_per_layer": kv_cache_bytes_per_token_layer(model, device),
-               "peak_train_memory_mb": peak_train_memory(arch, device, bsz, length)}
+        row = {"arch": arch, "batch": f"{bsz}x{length}", "beam4_sentences": sentences, "rounds": rounds, **facts[arch]}
+        for job in ("train", "decode"):
+            own, base = times[(arch, job)][1:], times[(archs[0], job)][1:]
+            row[f"{job}_ms"] = 1e3 * statistics.median(own)
+            row[f"{job}_ratio"] = statistics.median(a / b for a, b in zip(own, base))
+        row["train_words_per_s"] = bsz * length / (row["train_ms"] / 1e3)
+        row["beam4_sentences_per_s"] = sentences / (row["decode_ms"] / 1e3)
+        row.update(peak_train_memory(section, arch, device))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    reference = rows[0]
+    for row in rows:
+        row["peak_memory_ratio"] = row["peak_mb"] / reference["peak_mb"]
+        row["saved_activations_ratio"] = row["saved_activations_mb"] / reference["saved_activations_mb"]
+    if profile_dir:
+        for arch in archs:
+            for job in ("train", "decode"):
+                profile_table(jobs[arch][job], os.path.join(profile_dir, f"{section}-{arch}-{job}.txt"),
+                              f"{arch}, {job}: {bsz}x{length} training batch, beam-4 decoding of {sentences} "
+                              f"sentences forced to {length} tokens")
     return rows
 
 
-def peak_train_memory(arch, device, bsz, length):
-    """Peak memory of three training steps, in a fresh process (CPU: peak RSS; CUDA: max allocated)."""
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child", arch,
-                          "--device", device.type, "--batch", str(bsz), "--length", str(length)],
-                         capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+def profile_table(fn, path, title, row_limit=40):
+    """Run ``fn`` once under torch.profiler, with the routed modules' stages labelled, and write the
+    operator table (self CPU time first) and the stage table to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with labelled_stages(), profile(activities=activities) as prof:
+        fn()
+    events = prof.key_averages()
+    stages = [e for e in events if e.key.startswith("moa:")]
+    total = sum(e.self_cpu_time_total for e in events)
+    lines = [f"# {title}", f"# {provenance_line(provenance('moa_speed'))}", "",
+             "## stages (inclusive CPU time of the labelled code, summed over calls)", ""]
+    for e in sorted(stages, key=lambda e: -e.cpu_time_total):
+        lines.append(f"{e.key:40s} {e.cpu_time_total / 1e3:9.2f} ms  {e.count:6d} calls  "
+                     f"{100 * e.cpu_time_total / max(total, 1):5.1f}% of the run")
+    lines += ["", f"total self CPU time: {total / 1e3:.2f} ms", "", "## operators", "",
+              events.table(sort_by="self_cpu_time_total", row_limit=row_limit)]
+    write_atomically(path, "\n".join(lines) + "\n")
 
 
-def memory_child(arch, device, bsz, length):
-    _, _, step = train_step_fn(arch, device, bsz, length)
-    for _ in range(3):
+STAGES = {  # the code whose time the profile tables label, as "moa:<label>"
+    "moa.routing.TopKRouter.forward": "router (MoA)",
+    "moa.routing.TwoStageHeadRouter.forward": "router (MoH)",
+    "moa.routing.QueryNormHeadRouter.forward": "router (query-norm)",
+    "moa.dispatch.ExpertDispatch.__init__": "dispatch plan (MoA)",
+    "moa.dispatch.HeadPacking.__init__": "dispatch plan (MoH)",
+    "moa.experts._ExpertLinear.forward": "expert projection forward",
+    "moa.experts._ExpertLinear.backward": "expert projection backward",
+    "moa.routed_attention.RoutedAttention.attention_core": "attention core (MoA/MoH)",
+    "moa.routed_attention.RoutedAttention.cached_key_value": "keys and values (MoA/MoH)",
+    "moa.routed_attention.RoutedAttention.forward": "routed attention module",
+    "fairseq.modules.multihead_attention.MultiheadAttention.forward": "multi-head attention module",
+    "fairseq.sequence_generator.SequenceGenerator._generate": "beam search",
+}
+
+
+class labelled_stages:
+    """Within the context, the methods of :data:`STAGES` run inside ``torch.profiler.record_function``."""
+
+    def __enter__(self):
+        import functools
+        import importlib
+
+        self.saved = []
+        for dotted, label in STAGES.items():
+            module_name, owner_name, attr = dotted.rsplit(".", 2)
+            owner = getattr(importlib.import_module(module_name), owner_name)
+            original = owner.__dict__[attr]
+            function = original.__func__ if isinstance(original, staticmethod) else original
+
+            def wrapper(*args, __f=function, __label=f"moa:{label}", **kwargs):
+                with torch.profiler.record_function(__label):
+                    return __f(*args, **kwargs)
+
+            wrapped = functools.wraps(function)(wrapper)
+            setattr(owner, attr, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+            self.saved.append((owner, attr, original))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attr, original in reversed(self.saved):
+            setattr(owner, attr, original)
+
+
+def peak_train_memory(section, arch, device):
+    """Memory of training steps of ``arch`` at ``section``'s shape, measured in a fresh process: the peak
+    (CPU: resident set; CUDA: allocated) over two steps after a first, its rise above the memory held
+    before them (activations, gradients, workspace), and the bytes one forward saves for backward."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.moa_speed", "--memory-child", section, arch,
+                          "--device", device.type], capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def memory_child(section, arch, device):
+    _, _, _, bsz, length, _ = SHAPES[section]
+    model = shape_model(section, arch, device)
+    sample = synthetic_batch(model, bsz, length, length, device)
+    step = train_step(model, arch, sample)
+    step()  # the optimizer's state now exists
+    before = current_memory_mb(device)
+    reset_peak_memory(device)
+    for _ in range(2):
         step()
+    peak = peak_memory_mb(device)
+    print(json.dumps({"peak_mb": peak, "step_rise_mb": peak - before,
+                      "saved_activations_mb": saved_activation_mb(model, arch, sample)}))
+
+
+def current_memory_mb(device):
     if device.type == "cuda":
-        print(torch.cuda.max_memory_allocated() / 2 ** 20)
-    else:
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        return torch.cuda.memory_allocated() / 2 ** 20
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:  # Linux: writing 5 to clear_refs resets the peak resident set size
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def saved_activation_mb(model, arch, sample):
+    """MB of the distinct tensors the autograd graph of one training forward saves for backward
+    (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _, _ = criterion_for(model, arch)(model, sample)
+    del loss
+    return sum(storages.values()) / 2 ** 20
 
 
 def markdown(report):
@@ -303,13 +473,22 @@ def markdown(report):
         lines.append(f"| {r['module']} | {r['tokens']} | {r['seq_len']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | "
                      f"{100 * r['fwd_bwd_peak_fraction']:.0f}% | {r['fwd_bwd_ms'] / base:.2f}x | {overhead} | "
                      + (f"{authors:.1f} | {authors / r['fwd_bwd_ms']:.2f}x |" if authors else " | |"))
-    if report.get("models"):
-        lines += ["", "| arch | parameters | train words/s | beam-4 sentences/s | K/V cache bytes/token/layer | "
-                  "peak train memory MB |", "|---|---|---|---|---|---|"]
-        for r in report["models"]:
-            lines.append(f"| {r['arch']} | {r['parameters']:,} | {r['train_words_per_s']:.0f} | "
-                         f"{r['beam4_sentences_per_s']:.2f} | {r['kv_cache_bytes_per_token_per_layer']:.0f} | "
-                         f"{r['peak_train_memory_mb']:.0f} |")
+    for section, title in (("small", "Multi30k shape (d_model 256, 3+3 layers, 4 heads of 64, 8,000 symbols)"),
+                           ("models", "base shapes (d_model 512, 6+6 layers, 32,768 symbols)")):
+        if not report.get(section):
+            continue
+        r0 = report[section][0]
+        lines += ["", f"{title}: a training step on {r0['batch']} tokens, beam-4 decoding of {r0['beam4_sentences']} "
+                  f"sentences; medians of {r0['rounds']} interleaved rounds, ratios to {r0['arch']} per round.", "",
+                  "| arch | parameters | train step ms | ratio | train words/s | beam-4 decode ms | ratio | "
+                  "sentences/s | K/V cache bytes/token/layer | peak train memory MB | ratio | "
+                  "saved activations MB | ratio |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in report[section]:
+            lines.append(f"| {r['arch']} | {r['parameters']:,} | {r['train_ms']:.0f} | {r['train_ratio']:.2f}x | "
+                         f"{r['train_words_per_s']:.0f} | {r['decode_ms']:.0f} | {r['decode_ratio']:.2f}x | "
+                         f"{r['beam4_sentences_per_s']:.1f} | {r['kv_cache_bytes_per_token_per_layer']:.0f} | "
+                         f"{r['peak_mb']:.0f} | {r['peak_memory_ratio']:.2f} | {r['saved_activations_mb']:.0f} | "
+                         f"{r['saved_activations_ratio']:.2f} |")
     if report.get("moh"):
         lines += ["", "| MoH module (d_model 1024, 16x64) | seq x batch | active heads | MACs ratio | fwd ms | fwd ratio | "
                   "fwd+bwd ms | fwd+bwd ratio | fwd+bwd ratio / MACs ratio |", "|---|---|---|---|---|---|---|---|---|"]
@@ -324,25 +503,27 @@ def main():
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moa_speed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="a few shapes and 2 repeats, no model level")
+    parser.add_argument("--quick", action="store_true", help="a few shapes, 2 repeats and rounds, no base models")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the whole-model sections")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also profile one training step and one decoding of each whole model with "
+                             "torch.profiler and write the tables to DIR (e.g. benchmarks/results/speed/profile)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="which sections to run (default: all); a partial run replaces those sections of an "
                              "existing --out file and keeps the others, each section with its date")
     parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/speed/<device>.json")
-    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
-    parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, default=32, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.memory_child:
-        return memory_child(args.memory_child, device, args.batch, args.length)
+        return memory_child(*args.memory_child, device)
 
     repeats = 2 if args.quick else args.repeats
     tokens = [256, 1024] if args.quick else [256, 1024, 4096, 8192]
     seqs = [64] if args.quick else [64, 256]
     out = args.out or os.path.join(RESULTS, "speed", f"{device.type}{'-quick' if args.quick else ''}.json")
-    report = {"modules": [], "moh": [], "models": [], "dates": {}, "runs": {}}
+    report = {"modules": [], "moh": [], "small": [], "models": [], "dates": {}, "runs": {}}
     if set(args.sections) != set(SECTIONS) and os.path.exists(out):  # a partial run updates its sections only
         with open(out) as f:
             report.update(json.load(f))
@@ -364,9 +545,10 @@ def main():
     if "moh" in args.sections:
         report["moh"] = moh_grid(device, repeats, [(512, 1)] if args.quick else [(512, 4), (2048, 1)])
         report["dates"]["moh"] = today
-    if "models" in args.sections and not args.quick:
-        report["models"] = model_level(device, 3, ["transformer_wmt_en_de", "moa_base", "moh_base"])
-        report["dates"]["models"] = today
+    for section in ("small", "models"):
+        if section in args.sections and not (args.quick and section == "models"):
+            report[section] = side_by_side(section, device, 2 if args.quick else args.rounds, args.profile)
+            report["dates"][section] = today
     text = markdown(report) + "\n\n" + "\n".join(
         f"- {section}: {provenance_line(section_run)}" for section, section_run in report["runs"].items())
     print("\n" + text)

@@ -28,6 +28,9 @@ from moa.routed_attention import RoutedAttention, attention_bias, attention_prob
 from moa.routing import ExpertRouting, TopKRouter
 
 
+DENSE_BELOW_ROWS = 64  # see MixtureOfAttentionHeads.mix; benchmarks.moa_speed's "crossover" section measures it
+
+
 @with_incremental_state
 class MixtureOfAttentionHeads(RoutedAttention):
     """MoA attention with ``num_experts`` experts, ``top_k`` per token, head width ``head_dim``.
@@ -66,21 +69,22 @@ class MixtureOfAttentionHeads(RoutedAttention):
         self.k_proj = nn.Linear(kdim or embed_dim, head_dim, bias=bias)
         self.v_proj = nn.Linear(vdim or embed_dim, head_dim, bias=bias)
         self.o_experts = ExpertLinear(num_experts, head_dim, embed_dim, bias)
+        self.dense_below_rows = DENSE_BELOW_ROWS
         for proj in (self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight)
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
 
-    def route(self, x: Tensor, padding: Optional[Tensor]) -> Tuple[ExpertRouting, None]:
-        return self.router(x, padding), None
+    def route(self, x: Tensor, padding: Optional[Tensor], aux: bool = True) -> Tuple[ExpertRouting, None]:
+        return self.router(x, padding, aux), None
 
     def mix(self, x, routing: ExpertRouting, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
         """The selected experts' queries, multi-query attention over the shared head, and the gated
-        output projections: y_t = sum_j w_j o_j W_o^{e_j}."""
-        if self.top_k == self.num_experts:
-            return self._mix_all_experts(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
-                                         need_head_weights)
+        output projections: y_t = sum_j w_j o_j W_o^{e_j}. Fewer than ``dense_below_rows`` (token, slot)
+        rows per expert on average (decoding, small batches), or k = E, go through :meth:`_mix_dense`."""
+        if self.top_k == self.num_experts or x.size(0) * self.top_k < self.dense_below_rows * self.num_experts:
+            return self._mix_dense(x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights)
         plan = ExpertDispatch(routing.selected, self.num_experts, tgt_len, bsz)
         # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
         q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows,
@@ -95,16 +99,27 @@ class MixtureOfAttentionHeads(RoutedAttention):
             y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
         return y, weights
 
-    def _mix_all_experts(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights):
-        """top_k == E: every expert is selected for every token, so slot order is irrelevant; the
-        projections run as two dense matmuls (the same FLOPs as the routed path, no gathers)."""
-        gates = torch.zeros_like(routing.gates).scatter(1, routing.selected, routing.gates)  # (N, E)
-        q = self.q_experts.fan_out(x).view(tgt_len, bsz, self.num_experts, self.head_dim).permute(1, 2, 0, 3)
+    def _mix_dense(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights):
+        """The same output with every expert's query and output projection as one matmul each: E/k
+        times the routed path's projection FLOPs, none of its per-expert work. The selected experts'
+        queries are gathered for attention (its cost stays with k); the output matmul sees the
+        unselected experts' rows as zeros. With k = E the slots are the experts, in expert order."""
+        num_tokens, e, d = x.size(0), self.num_experts, self.head_dim
+        q = self.q_experts.fan_out(x)  # (N, E, D)
+        if self.top_k == e:
+            gates = torch.zeros_like(routing.gates).scatter(1, routing.selected, routing.gates)  # (N, E)
+        else:
+            index = routing.selected.unsqueeze(-1).expand(-1, -1, d)  # (N, k, D)
+            q, gates = q.gather(1, index), routing.gates
+        q = q.view(tgt_len, bsz, -1, d).permute(1, 2, 0, 3)
         o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights)
-        o = o * gates.view(tgt_len, bsz, self.num_experts).permute(1, 2, 0).unsqueeze(-1)
-        y = self.o_experts.fan_in(o.permute(2, 0, 1, 3).reshape(tgt_len * bsz, self.num_experts, self.head_dim))
-        if self.o_experts.bias is not None:
-            y = y + gates @ self.o_experts.bias
+        o = (o * gates.view(tgt_len, bsz, -1).permute(1, 2, 0).unsqueeze(-1)).permute(2, 0, 1, 3)
+        o = o.reshape(num_tokens, -1, d)
+        if self.top_k < e:
+            o = o.new_zeros(num_tokens, e, d).scatter(1, index, o)
+        y = self.o_experts.fan_in(o)
+        if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
+            y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
         return y, weights
 
     def _attend(self, q, keys, values, bias, need_weights: bool, need_head_weights: bool):

@@ -85,34 +85,49 @@ class MixtureOfHeadsAttention(RoutedAttention):
         self.compute_all_heads = False
         self.decode_all_heads = True
 
-    def route(self, x: Tensor, padding: Optional[Tensor]) -> Tuple[HeadRouting, Optional[Tensor]]:
-        """The query-norm router scores the routed heads by their queries: those are projected once
-        for all tokens here and the selected ones reused for attention."""
-        routed_queries = self._routed_queries(x) if self.router.needs_routed_queries else None
-        return self.router(x, padding, routed_queries), routed_queries
+    @property
+    def computed_heads(self) -> int:
+        """The heads whose keys and values are projected: all of them, or the shared heads only when
+        K = 0 (the routed heads are then never active)."""
+        return self.num_heads if self.top_k else self.shared_heads
 
-    def mix(self, x, routing: HeadRouting, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
+    def route(self, x: Tensor, padding: Optional[Tensor], aux: bool = True) -> Tuple[HeadRouting, Optional[Tensor]]:
+        """The query-norm router scores the routed heads by their queries: every head's query is
+        projected here, once, and reused for attention (returned as (N, h * D))."""
+        if self.training and not self.top_k and self.router.routed_heads:
+            raise ValueError(f"MoH with top_k 0 computes its {self.shared_heads} shared heads only, which is an "
+                             f"inference setting (fairseq-generate --model-overrides \"{{'moh_top_k': 0}}\"); "
+                             f"train with --moh-top-k between 1 and the {self.router.routed_heads} routed heads")
+        queries = routed = None
+        if self.router.needs_routed_queries and self.top_k:
+            queries = self.q_proj(x)
+            routed = queries[:, self.shared_heads * self.head_dim:].view(x.size(0), -1, self.head_dim)
+        return self.router(x, padding, routed, aux), queries
+
+    def mix(self, x, routing: HeadRouting, queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
-        if self.compute_all_heads or need_head_weights or self.top_k == self.router.routed_heads or \
+        if self.compute_all_heads or need_head_weights or self.top_k in (0, self.router.routed_heads) or \
                 (self.decode_all_heads and decoding):
             y, weights = self._mix_all_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
-                                             need_head_weights, routed_queries)
+                                             need_head_weights, queries)
         else:
-            y, weights = self._mix_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
-                                                routed_queries)
+            y, weights = self._mix_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights, queries)
         if self.out_proj.bias is not None:
             y = y + self.out_proj.bias
         return y, weights
 
     def _mix_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
-                          routed_queries: Optional[Tensor] = None):
+                          queries: Optional[Tensor] = None):
         """Shared heads as multi-head attention; routed heads packed per (batch row, head).
-        routed_queries: (N, E, D), every routed head's query when the router computed them."""
+        queries: (N, h * D), every head's query when the router computed them."""
         h_s, d = self.shared_heads, self.head_dim
         y = weight_sum = None
         if h_s:
-            q = F.linear(x, self.q_proj.weight[:h_s * d], _rows(self.q_proj.bias, h_s * d))
-            q = q.view(tgt_len, bsz, h_s, d).permute(1, 2, 0, 3)
+            if queries is None:
+                q = F.linear(x, self.q_proj.weight[:h_s * d], _rows(self.q_proj.bias, h_s * d))
+            else:
+                q = queries[:, :h_s * d]
+            q = q.reshape(tgt_len, bsz, h_s, d).permute(1, 2, 0, 3)
             o, weights = self.attention_core(q, keys[:, :h_s], values[:, :h_s], bias, need_weights)
             o = o * routing.shared_gates.view(tgt_len, bsz, h_s).permute(1, 2, 0).unsqueeze(-1)
             y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, h_s * d), self.out_proj.weight[:, :h_s * d])
@@ -121,13 +136,14 @@ class MixtureOfHeadsAttention(RoutedAttention):
         if self.top_k:
             e = self.router.routed_heads
             plan = HeadPacking(routing.selected, e, tgt_len, bsz)
-            if routed_queries is None:
+            if queries is None:
                 q_weight = self.q_proj.weight[h_s * d:].view(e, d, -1).transpose(1, 2)  # (E, C, D), a view
                 q_bias = None if self.q_proj.bias is None else self.q_proj.bias[h_s * d:].view(e, d)
                 q = expert_linear(x, q_weight, q_bias, plan.token, plan.packed_row, plan.group_sizes,
                                   plan.num_packed_rows)
             else:
-                selected = routed_queries[plan.token, routing.selected.reshape(-1)[plan.order]]  # (N * K, D)
+                selected = queries.view(x.size(0), self.num_heads, d)[plan.token,
+                                                                     h_s + routing.selected.reshape(-1)[plan.order]]
                 q = selected.new_zeros(plan.num_packed_rows, d).index_copy(0, plan.packed_row, selected)
             q = q.view(bsz, e, plan.length, d)
             o, weights = self.attention_core(q, keys[:, h_s:], values[:, h_s:],
@@ -147,24 +163,22 @@ class MixtureOfHeadsAttention(RoutedAttention):
         return y, weights
 
     def _mix_all_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
-                       need_head_weights, routed_queries: Optional[Tensor] = None):
-        """Every head computed, then scaled by its gate (zero for unselected routed heads)."""
-        gates = self.full_gates(routing)  # (N, h)
-        if routed_queries is None:
-            q = self.q_proj(x)
-        else:  # the router projected the routed heads' queries already
-            shared = F.linear(x, self.q_proj.weight[:self.shared_heads * self.head_dim],
-                              _rows(self.q_proj.bias, self.shared_heads * self.head_dim))
-            q = torch.cat([shared, routed_queries.reshape(x.size(0), -1)], dim=1)
-        q = q.view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+                       need_head_weights, queries: Optional[Tensor] = None):
+        """Every computed head (:attr:`computed_heads`), then scaled by its gate (zero for unselected
+        routed heads). queries: (N, h * D), every head's query when the router computed them."""
+        heads, width = self.computed_heads, self.computed_heads * self.head_dim
+        gates = self.full_gates(routing)[:, :heads]  # (N, heads)
+        if queries is None:
+            queries = F.linear(x, self.q_proj.weight[:width], _rows(self.q_proj.bias, width))
+        q = queries.view(tgt_len, bsz, heads, self.head_dim).permute(1, 2, 0, 3)
         o, weights = self.attention_core(q, keys, values, bias, need_weights)
-        o = o * gates.view(tgt_len, bsz, self.num_heads).permute(1, 2, 0).unsqueeze(-1)
-        y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, self.embed_dim), self.out_proj.weight)
+        o = o * gates.view(tgt_len, bsz, heads).permute(1, 2, 0).unsqueeze(-1)
+        y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, width), self.out_proj.weight[:, :width])
         if not need_weights:
             return y, None
         if need_head_weights:
             return y, weights.transpose(0, 1)
-        active = gates.ne(0).to(weights.dtype).view(tgt_len, bsz, self.num_heads).permute(1, 2, 0).unsqueeze(-1)
+        active = gates.ne(0).to(weights.dtype).view(tgt_len, bsz, heads).permute(1, 2, 0).unsqueeze(-1)
         return y, (weights * active).sum(dim=1) / (self.shared_heads + self.top_k)
 
     def full_gates(self, routing: HeadRouting) -> Tensor:
@@ -182,22 +196,17 @@ class MixtureOfHeadsAttention(RoutedAttention):
         """Every head's attention and ``A_i V_i W_O^i``, ungated (see the base)."""
         return multihead_outputs(self, query, key, key_padding_mask, attn_mask)
 
-    def _routed_queries(self, x: Tensor) -> Optional[Tensor]:
-        """(N, E, D): every routed head's query (unscaled), or None when every head is shared."""
-        start = self.shared_heads * self.head_dim
-        if not self.router.routed_heads:
-            return None
-        q = F.linear(x, self.q_proj.weight[start:], _rows_from(self.q_proj.bias, start))
-        return q.view(x.size(0), self.router.routed_heads, self.head_dim)
-
     def _project_key_value(self, key: Tensor, value: Tensor):
-        """Every head's keys and values: (src_len, batch, dim) -> (batch, heads, src_len, D) each."""
+        """The computed heads' keys and values: (src_len, batch, dim) -> (batch, heads, src_len, D) each."""
         src_len, bsz = key.shape[:2]
+        heads = self.computed_heads
+        width = heads * self.head_dim
 
-        def heads(t: Tensor) -> Tensor:
-            return t.view(src_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        def project(proj: nn.Linear, t: Tensor) -> Tensor:
+            t = proj(t) if heads == self.num_heads else F.linear(t, proj.weight[:width], _rows(proj.bias, width))
+            return t.view(src_len, bsz, heads, self.head_dim).permute(1, 2, 0, 3)
 
-        return heads(self.k_proj(key)), heads(self.v_proj(value))
+        return project(self.k_proj, key), project(self.v_proj, value)
 
     def extra_repr(self) -> str:
         router = "query-norm" if isinstance(self.router, QueryNormHeadRouter) else \
@@ -225,10 +234,6 @@ def multihead_outputs(module, query: Tensor, key: Tensor, key_padding_mask: Opti
 
 def _rows(bias: Optional[Tensor], n: int) -> Optional[Tensor]:
     return None if bias is None else bias[:n]
-
-
-def _rows_from(bias: Optional[Tensor], start: int) -> Optional[Tensor]:
-    return None if bias is None else bias[start:]
 
 
 def _packed_bias(bias: Optional[Tensor], position: Tensor) -> Optional[Tensor]:

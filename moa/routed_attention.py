@@ -7,7 +7,8 @@ unchanged. :meth:`RoutedAttention.forward` is written once, here:
 1. shape checks; the keys and values, projected by the subclass (any layout whose time axis is
    ``time_dim``) and kept in the incremental-decoding cache, concatenated step by step, static for
    encoder-decoder attention;
-2. the queries flattened time-first (n = t * batch + b) and routed, skipping padded queries: for
+2. the queries flattened time-first (n = t * batch + b) and routed (in incremental decoding without
+   the load and the auxiliary losses, which only training and validation read), skipping padded queries: for
    self-attention the padding is ``key_padding_mask``; for encoder-decoder attention the decoder sets
    ``query_padding_mask`` (batch, tgt_len) before running its layers, since fairseq passes only key
    padding;
@@ -81,17 +82,19 @@ class RoutedAttention(nn.Module):
         keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
                                                                static_kv)
         x = query.reshape(tgt_len * bsz, embed_dim)
+        decoding = incremental_state is not None
         routing, routed_queries = self.route(x, self.flat_query_padding(key_padding_mask, incremental_state,
-                                                                        tgt_len, bsz))
+                                                                        tgt_len, bsz), aux=not decoding)
         self.record(routing)
         bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
         y, weights = self.mix(x, routing, routed_queries, keys, values, bias, tgt_len, bsz,
-                              need_weights or need_head_weights, need_head_weights, incremental_state is not None)
+                              need_weights or need_head_weights, need_head_weights, decoding)
         return y.view(tgt_len, bsz, embed_dim), weights
 
-    def route(self, x: Tensor, padding: Optional[Tensor]) -> Tuple[Routing, Optional[Tensor]]:
-        """x: (N, embed_dim) the queries; padding: (N,) bool or None. Returns the routing and any
-        per-head queries the router computed on the way, for ``mix`` to reuse (or None)."""
+    def route(self, x: Tensor, padding: Optional[Tensor], aux: bool = True) -> Tuple[Routing, Optional[Tensor]]:
+        """x: (N, embed_dim) the queries; padding: (N,) bool or None; ``aux``: False in incremental
+        decoding, where nothing reads the load or the auxiliary losses. Returns the routing and any
+        queries the router computed on the way, for ``mix`` to reuse (or None)."""
         raise NotImplementedError
 
     def mix(self, x: Tensor, routing: Routing, routed_queries: Optional[Tensor], keys: Tensor, values: Tensor,

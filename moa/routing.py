@@ -43,7 +43,8 @@ class Routing:
     ``selected`` (N, k) int64, the chosen experts/heads, most probable first (None when k = 0);
     ``gates`` (N, k) their gate weights in the input's dtype (None when k = 0); ``load`` (E,) float32,
     (token, slot) assignments per expert, padding excluded; ``probs`` (N, E) float32 router
-    probabilities (None when k = 0). ``family`` ("MoA", "MoH") names the method; in lower case it
+    probabilities (None when k = 0). In incremental decoding the routers skip what only the criterion
+    and the analysis read: ``load``, ``probs`` and the auxiliary losses are then None. ``family`` ("MoA", "MoH") names the method; in lower case it
     prefixes the figures the criterion logs.
     """
 
@@ -87,10 +88,10 @@ class ExpertRouting(Routing):
 
     selected: Tensor
     gates: Tensor
-    load: Tensor
-    probs: Tensor
-    load_balancing_loss: Tensor
-    router_z_loss: Tensor
+    load: Optional[Tensor]
+    probs: Optional[Tensor]
+    load_balancing_loss: Optional[Tensor]
+    router_z_loss: Optional[Tensor]
 
     def aux_losses(self) -> Dict[str, Tensor]:
         return {"la": self.load_balancing_loss, "lz": self.router_z_loss}
@@ -133,8 +134,9 @@ class TopKRouter(nn.Module):
         else:
             nn.init.normal_(self.weight, std=self.weight.size(1) ** -0.5 if std is None else std)
 
-    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None) -> ExpertRouting:
-        """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding."""
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None, aux: bool = True) -> ExpertRouting:
+        """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding; ``aux=False``
+        (incremental decoding) skips the load and the auxiliary losses."""
         logits = router_linear(x, self.weight)  # (N, E)
         probs = logits.softmax(dim=-1)
         top_probs, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
@@ -142,6 +144,8 @@ class TopKRouter(nn.Module):
             weights = top_probs / top_probs.sum(dim=-1, keepdim=True).detach()
         else:
             weights = top_probs
+        if not aux:
+            return ExpertRouting(experts, weights.to(x.dtype), None, None, None, None)
         keep = None if padding_mask is None else (~padding_mask).to(probs.dtype)
         l_a, load = load_balancing_loss(probs, experts, keep)
         l_z = router_z_loss(logits, keep)
@@ -208,11 +212,11 @@ class HeadRouting(Routing):
 
     selected: Optional[Tensor]
     gates: Optional[Tensor]
-    load: Tensor
+    load: Optional[Tensor]
     probs: Optional[Tensor]
     shared_gates: Optional[Tensor]
-    balance_loss: Tensor
-    mean_alpha_shared: Tensor
+    balance_loss: Optional[Tensor]
+    mean_alpha_shared: Optional[Tensor]
     active_fraction: float
     learned: bool = True
 
@@ -233,13 +237,15 @@ class HeadRouting(Routing):
 
 def check_head_counts(num_heads: int, shared_heads: int, top_k: int) -> int:
     """The number of routed heads, E = num_heads - shared_heads, after checking that 0 <= h_s <= h
-    and 1 <= K <= E (K = 0 only when every head is shared)."""
+    and 0 <= K <= E (K = 0: the shared heads only, an inference setting when E > 0; see
+    :meth:`~moa.moh_attention.MixtureOfHeadsAttention.route`)."""
     routed = num_heads - shared_heads
     if not 0 <= shared_heads <= num_heads:
         raise ValueError(f"shared_heads must be between 0 and num_heads={num_heads}, got {shared_heads}")
-    if not (1 <= top_k <= routed if routed else top_k == 0):
-        raise ValueError(f"top_k must be between 1 and the {routed} routed heads, got {top_k}" if routed else
-                         f"top_k must be 0 when every one of the {num_heads} heads is shared, got {top_k}")
+    if not 0 <= top_k <= routed:
+        raise ValueError(f"top_k must be between 0 and the {routed} routed heads, got {top_k}")
+    if not shared_heads and not top_k:
+        raise ValueError(f"top_k must be at least 1 when no head is shared (all {num_heads} routed), got 0")
     return routed
 
 
@@ -253,7 +259,9 @@ class TwoStageHeadRouter(nn.Module):
     routed gates ``2 alpha2 K p_i / sum_{j in TopK} p_j`` (the denominator not detached), shared
     gates ``2 alpha1 h_s softmax(W_s x_t)_i``, so uniform routers give every active head a gate of
     exactly 1 and the module equals multi-head attention over the active heads. With only one group
-    (h_s = 0 or K = 0) there is no W_h and no alpha (the factor 2 goes too).
+    (h_s = 0 or E = 0) there is no W_h and no alpha (the factor 2 goes too). K can be set below
+    (even to 0) or above the K a model was trained with: the gates of the heads that stay active
+    are unchanged, the others' terms are dropped (the inference-time compute dial).
 
     Load balance over the routed heads and non-padding tokens, with ``P_i`` the mean of p_i and
     ``f_i`` the share of tokens that select head i (sum_i f_i = K): ``L_b = sum_i P_i f_i``
@@ -273,7 +281,7 @@ class TwoStageHeadRouter(nn.Module):
         self.gate_scale, self.balance_loss = gate_scale, balance_loss
         self.shared = nn.Linear(embed_dim, shared_heads, bias=False) if shared_heads else None  # W_s
         self.routed = nn.Linear(embed_dim, routed, bias=False) if routed else None  # W_r
-        self.mix = nn.Linear(embed_dim, 2, bias=False) if shared_heads and top_k else None  # W_h
+        self.mix = nn.Linear(embed_dim, 2, bias=False) if shared_heads and routed else None  # W_h
         for linear in (self.shared, self.routed, self.mix):
             if linear is not None:
                 nn.init.normal_(linear.weight, std=embed_dim ** -0.5)
@@ -285,14 +293,15 @@ class TwoStageHeadRouter(nn.Module):
     needs_routed_queries = False
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None,
-                routed_queries: Optional[Tensor] = None) -> HeadRouting:
+                routed_queries: Optional[Tensor] = None, aux: bool = True) -> HeadRouting:
         """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding;
-        routed_queries: unused (the signature is :class:`QueryNormHeadRouter`'s)."""
+        routed_queries: unused (the signature is :class:`QueryNormHeadRouter`'s); ``aux=False``
+        (incremental decoding) skips the load, L_b and the mean alpha1."""
         x32 = x.to(router_dtype(x))
         unit = self.gate_scale == "unit"
         keep = None if padding_mask is None else (~padding_mask).to(x32.dtype)
         shared = routed = heads = probs = None
-        balance, load = x32.new_zeros(()), x32.new_zeros(self.routed_heads)
+        balance = load = mean_alpha = None
         if self.shared is not None:
             shared = router_linear(x32, self.shared.weight).softmax(dim=-1)
             if unit:
@@ -302,18 +311,24 @@ class TwoStageHeadRouter(nn.Module):
             top_probs, heads = probs.topk(self.top_k, dim=-1)
             routed = self.top_k * top_probs / top_probs.sum(dim=-1, keepdim=True).clamp(min=1e-9) if unit \
                 else top_probs
-            l_a, load = load_balancing_loss(probs, heads, keep)  # E sum P f with sum f = 1
-            balance = l_a * self.top_k * (1.0 if self.balance_loss == "experts-scaled" else 1.0 / self.routed_heads)
+            if aux:
+                l_a, load = load_balancing_loss(probs, heads, keep)  # E sum P f with sum f = 1
+                balance = l_a * self.top_k * (1.0 if self.balance_loss == "experts-scaled" else 1.0 / self.routed_heads)
         if self.mix is not None:
             alphas = router_linear(x32, self.mix.weight).softmax(dim=-1)  # (N, 2)
             alpha_shared = alphas[:, 0]
             if unit:
                 alphas = 2 * alphas
-            shared, routed = shared * alphas[:, :1], routed * alphas[:, 1:]
+            shared = shared * alphas[:, :1]
+            routed = None if routed is None else routed * alphas[:, 1:]
         else:
             alpha_shared = x32.new_full((x32.size(0),), 1.0 if self.shared_heads else 0.0)
-        n = _token_count(x32, keep)
-        mean_alpha = (alpha_shared if keep is None else alpha_shared * keep).sum() / n
+        if aux:
+            balance = x32.new_zeros(()) if balance is None else balance
+            load = x32.new_zeros(self.routed_heads) if load is None else load
+            mean_alpha = (alpha_shared if keep is None else alpha_shared * keep).sum() / _token_count(x32, keep)
+        else:
+            probs = None
         cast = (lambda g: None if g is None else g.to(x.dtype))
         return HeadRouting(heads, cast(routed), load, probs, cast(shared), balance, mean_alpha, self.active_fraction)
 
@@ -348,20 +363,26 @@ class QueryNormHeadRouter(nn.Module):
     needs_routed_queries = True  # the module projects them once, for the router and for attention
 
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None,
-                routed_queries: Optional[Tensor] = None) -> HeadRouting:
+                routed_queries: Optional[Tensor] = None, aux: bool = True) -> HeadRouting:
         """x: (N, embed_dim) the query tokens; padding_mask: (N,) bool, True at padding;
-        routed_queries: (N, E, D) the routed heads' queries (None when E = 0)."""
+        routed_queries: (N, E, D) the routed heads' queries (None when E = 0); ``aux=False``
+        (incremental decoding) skips the load and the estimator's probabilities."""
         dtype, device = x.dtype, x.device
         shared = torch.ones(x.size(0), self.shared_heads, dtype=dtype, device=device) if self.shared_heads else None
         heads = routed = probs = None
-        load = torch.zeros(self.routed_heads, device=device)
+        load = torch.zeros(self.routed_heads, device=device) if aux else None
         if self.top_k:
             scores = routed_queries.to(router_dtype(routed_queries)).norm(dim=-1)  # (N, E)
             probs = (scores / scores.mean(dim=-1, keepdim=True).clamp(min=1e-9)).softmax(dim=-1)
             top_probs, heads = probs.topk(self.top_k, dim=-1)
             routed = (1.0 + (top_probs - top_probs.detach())).to(dtype)  # exactly 1 forward
-            keep = None if padding_mask is None else (~padding_mask).to(probs.dtype)
-            load = load_balancing_loss(probs, heads, keep)[1]
+            if aux:
+                keep = None if padding_mask is None else (~padding_mask).to(probs.dtype)
+                load = load_balancing_loss(probs, heads, keep)[1]
+            else:
+                probs = None
+        if not aux:
+            return HeadRouting(heads, routed, None, None, shared, None, None, self.active_fraction, learned=False)
         alpha = torch.tensor(1.0 if self.shared_heads else 0.0, device=device)
         return HeadRouting(heads, routed, load, probs, shared, torch.zeros((), device=device), alpha,
                            self.active_fraction, learned=False)

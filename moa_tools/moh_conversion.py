@@ -72,10 +72,13 @@ def check_heads(shapes: dict, shared_heads: int, top_k: int) -> None:
                             "MoH needs whole heads")
         try:
             check_head_counts(heads, shared_heads, top_k)
+            if not top_k and heads > shared_heads:
+                raise ValueError("a converted model is fine-tuned, and K = 0 would leave its routed heads unused")
         except ValueError:
             raise ToolError(f"--shared-heads {shared_heads} --top-k {top_k} do not fit the {heads} heads of {kind} "
                             f"attention: choose 0 <= H_S <= {heads} and 1 <= K <= {heads} - H_S "
-                            f"(K = 0 only when every head is shared)") from None
+                            f"(K = 0 only when every head is shared; a lower K for decoding is "
+                            f"fairseq-generate's --model-overrides)") from None
 
 
 def _embedding_rows(weights: dict, name: str, path: str) -> int:

@@ -3,7 +3,18 @@
 import pytest
 import torch
 
+from moa import moa_attention
 from moa.moa_attention import MixtureOfAttentionHeads
+
+ALWAYS_DENSE, ALWAYS_ROUTED = 10 ** 9, 0  # values of dense_below_rows
+
+
+@pytest.fixture(params=["routed", "dense"])
+def both_paths(request, monkeypatch):
+    """Build the modules of a test with the routed path (per-expert projections) or the dense one
+    (every expert in one matmul), whatever their token count."""
+    monkeypatch.setattr(moa_attention, "DENSE_BELOW_ROWS", ALWAYS_ROUTED if request.param == "routed" else ALWAYS_DENSE)
+    return request.param
 
 
 def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mask=None, attn_mask=None):
@@ -71,7 +82,7 @@ def _check_outputs_and_grads(m, query, key, value, **masks):
 
 
 @pytest.mark.parametrize("gate_weights", ["renormalized", "raw"])
-def test_self_attention_with_padding_matches_reference(gate_weights):
+def test_self_attention_with_padding_matches_reference(gate_weights, both_paths):
     m = _module(6, 2, gate_weights, self_attention=True)
     x = torch.randn(7, 3, 16, dtype=torch.double)
     padding = torch.zeros(3, 7, dtype=torch.bool)
@@ -80,7 +91,7 @@ def test_self_attention_with_padding_matches_reference(gate_weights):
     _check_outputs_and_grads(m, x, x, x, key_padding_mask=padding)
 
 
-def test_causal_self_attention_matches_reference():
+def test_causal_self_attention_matches_reference(both_paths):
     m = _module(5, 3, self_attention=True)
     x = torch.randn(6, 2, 16, dtype=torch.double)
     future = torch.triu(torch.full((6, 6), float("-inf"), dtype=torch.double), 1)
@@ -89,7 +100,7 @@ def test_causal_self_attention_matches_reference():
     _check_outputs_and_grads(m, x, x, x, attn_mask=bool_future)
 
 
-def test_encoder_decoder_attention_matches_reference():
+def test_encoder_decoder_attention_matches_reference(both_paths):
     torch.manual_seed(2)
     m = MixtureOfAttentionHeads(16, 4, 2, 8, kdim=12, vdim=12, encoder_decoder_attention=True).double()
     query = torch.randn(5, 2, 16, dtype=torch.double)
@@ -99,8 +110,8 @@ def test_encoder_decoder_attention_matches_reference():
     _check_outputs_and_grads(m, query, memory, memory, key_padding_mask=padding)
 
 
-@pytest.mark.parametrize("top_k", [4, 2])  # k == E takes the dense path, k < E the routed one
-def test_biases_match_reference(top_k):
+@pytest.mark.parametrize("top_k", [4, 2])  # k == E always takes the dense path
+def test_biases_match_reference(top_k, both_paths):
     m = _module(4, top_k, self_attention=True, bias=True)
     with torch.no_grad():
         for p in (m.q_experts.bias, m.o_experts.bias, m.k_proj.bias, m.v_proj.bias):
@@ -119,7 +130,7 @@ def test_all_experts_selected_matches_reference():
     _check_outputs_and_grads(m, x, x, x, attn_mask=future)
 
 
-def test_attention_weights_are_averaged_over_selected_experts():
+def test_attention_weights_are_averaged_over_selected_experts(both_paths):
     m = _module(4, 2, self_attention=True)
     x = torch.randn(5, 2, 16, dtype=torch.double)
     _, mean_weights = m(x, x, x, need_weights=True)
@@ -132,6 +143,7 @@ def test_attention_weights_are_averaged_over_selected_experts():
 def test_projections_run_only_on_routed_rows(monkeypatch):
     """Each expert matmul sees exactly the rows routed to it: N*k rows in all, not N*E."""
     m = _module(8, 2, self_attention=True)
+    m.dense_below_rows = ALWAYS_ROUTED
     x = torch.randn(6, 3, 16, dtype=torch.double)
     seen = []
     original = type(m.q_experts).forward
@@ -154,6 +166,7 @@ def test_forward_flops_do_not_grow_with_the_number_of_experts(num_experts):
     torch.manual_seed(0)
     d, k, head, T, B = 32, 2, 8, 5, 3
     m = MixtureOfAttentionHeads(d, num_experts, k, head, self_attention=True)
+    m.dense_below_rows = ALWAYS_ROUTED
     x = torch.randn(T, B, d)
     with FlopCounterMode(display=False) as counter:  # the weights path: attention as plain matmuls
         m(x, x, x, need_weights=True)
@@ -163,6 +176,25 @@ def test_forward_flops_do_not_grow_with_the_number_of_experts(num_experts):
                 + 2 * n * d * head * 2            # shared W_k, W_v
                 + 2 * B * k * T * T * head * 2)   # q K^T and attention @ V
     assert counter.get_total_flops() == expected
+
+
+@pytest.mark.parametrize("tokens, dense", [(4, True), (64, False)])
+def test_the_dense_path_serves_few_rows_per_expert(monkeypatch, tokens, dense):
+    """Below dense_below_rows (token, slot) rows per expert on average the projections run as one
+    matmul over every expert; at and above it, per expert on the routed rows only."""
+    m = _module(8, 2, self_attention=True)
+    m.dense_below_rows = 16  # 4 tokens x 2 slots / 8 experts = 1 row per expert; 64 tokens: 16
+    calls = []
+    monkeypatch.setattr(moa_attention.ExpertDispatch, "__init__",
+                        lambda self, *a, __f=moa_attention.ExpertDispatch.__init__: calls.append(1) or __f(self, *a))
+    x = torch.randn(tokens, 1, 16, dtype=torch.double)
+    with torch.no_grad():
+        y, _ = m(x, x, x)
+        assert len(calls) == (0 if dense else 1)  # the routed path plans a dispatch, the dense one does not
+        m.dense_below_rows = ALWAYS_ROUTED if dense else ALWAYS_DENSE  # the other path
+        other, _ = m(x, x, x)
+    assert len(calls) == 1
+    torch.testing.assert_close(y, other)
 
 
 def test_bad_configuration_is_refused():

@@ -19,7 +19,7 @@ from fairseq.models.transformer import TransformerModel, base_architecture
 from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, parse_attention_types,
                                            routed_layer_config, small_translation_shape)
 from moa.moh_attention import MixtureOfHeadsAttention
-from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES, HEAD_ROUTERS
+from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES, HEAD_ROUTERS, check_head_counts
 
 
 def add_moh_args(parser):
@@ -47,11 +47,12 @@ def check_moh_args(args, heads: dict) -> None:
     types = parse_attention_types(args.moh_attention_types, "--moh-attention-types")
     for kind in sorted(types):
         h, h_s, k = heads[kind], args.moh_shared_heads, args.moh_top_k
-        routed = h - h_s
-        if not 0 <= h_s <= h or not (1 <= k <= routed if routed else k == 0):
+        try:
+            check_head_counts(h, h_s, k)
+        except ValueError:
             raise ValueError(f"--moh-shared-heads {h_s} --moh-top-k {k} do not fit the {h} heads of {kind} "
-                             f"attention: MoH needs 0 <= H_S <= heads and 1 <= K <= heads - H_S "
-                             f"(K = 0 only when every head is shared)")
+                             f"attention: MoH needs 0 <= H_S <= heads and 0 <= K <= heads - H_S, with at least "
+                             f"one head active (K = 0, the shared heads only, is an inference setting)") from None
 
 
 def build_moh_attention(cfg, embed_dim, kind, kdim=None):
