@@ -151,7 +151,7 @@ def module_grid(device, repeats, token_counts, seq_lens, peak):
     return rows
 
 
-SECTIONS = ("modules", "moh", "small", "models")
+SECTIONS = ("modules", "moh", "crossover", "small", "models")
 MOH_D_MODEL, MOH_HEADS = 1024, 16
 MOH_CONFIGS = {"MoH 75% (8 + top-4 of 8)": (8, 4), "MoH 50% (4 + top-4 of 12)": (4, 4)}
 
@@ -193,6 +193,73 @@ def moh_grid(device, repeats, shapes):
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+CROSSOVER_MODULES = {  # name -> (d_model, build); the routed/sparse path against the dense one
+    "MoA 4K8E64D, d 256 (moa_small)": (256, lambda: MixtureOfAttentionHeads(256, 8, 4, 64, self_attention=True)),
+    "MoA 2K8E64D, d 512": (512, lambda: MixtureOfAttentionHeads(512, 8, 2, 64, self_attention=True)),
+    "MoA 4K16E64D, d 512": (512, lambda: MixtureOfAttentionHeads(512, 16, 4, 64, self_attention=True)),
+    "MoA 16K32E256D, d 512": (512, lambda: MixtureOfAttentionHeads(512, 32, 16, 256, self_attention=True)),
+    "MoH 2 + top-1 of 2, d 256 (moh_small)": (256, lambda: MixtureOfHeadsAttention(256, 4, 2, 1, self_attention=True)),
+    "MoH 4 + top-4 of 12, d 1024": (1024, lambda: MixtureOfHeadsAttention(1024, 16, 4, 4, self_attention=True)),
+}
+
+
+def use_dense_path(module, dense):
+    """MoA: every expert in one matmul (dense) or per expert on its rows; MoH: every head computed
+    and gated (dense) or the active heads packed, in training and in decoding alike."""
+    if isinstance(module, MixtureOfAttentionHeads):
+        module.dense_below_rows = 10 ** 9 if dense else 0
+    else:
+        module.compute_all_heads = module.decode_all_heads = dense
+
+
+def crossover(device, repeats, token_counts=(32, 128, 512, 2048, 8192), seq=16):
+    """Each routed module's two paths timed in turn (medians of ``repeats`` rounds) at growing token
+    counts (sequences of ``seq`` tokens), forward alone (no gradient) and forward+backward, and one
+    incremental decoding step (one query per sentence over ``seq`` cached positions): the measurement
+    behind MoA's ``dense_below_rows`` and MoH's ``decode_all_heads``."""
+    rows = []
+    for name, (dim, build) in CROSSOVER_MODULES.items():
+        torch.manual_seed(0)
+        module = build().to(device)
+        for tokens in token_counts:
+            bsz = max(tokens // seq, 1)
+            x = torch.randn(seq, bsz, dim, device=device, requires_grad=True)
+            step = torch.randn(1, bsz, dim, device=device)
+            jobs = {"fwd": lambda: run_module(module, x, False), "fwd_bwd": lambda: run_module(module, x, True),
+                    "decode_step": decode_step(module.eval(), x.detach(), step)}
+            module.train()
+            for mode, job in jobs.items():
+                times = {True: [], False: []}
+                for _ in range(repeats + 1):
+                    for dense in (True, False):
+                        use_dense_path(module, dense)
+                        with (torch.enable_grad() if mode == "fwd_bwd" else torch.no_grad()):
+                            times[dense].append(median_time(job, device, 1, warmup=0))
+                ratio = statistics.median(a / b for a, b in zip(times[False][1:], times[True][1:]))
+                row = {"module": name, "tokens": bsz * seq if mode != "decode_step" else bsz, "mode": mode,
+                       "dense_ms": 1e3 * statistics.median(times[True][1:]),
+                       "sparse_ms": 1e3 * statistics.median(times[False][1:]), "sparse_over_dense": ratio}
+                if isinstance(module, MixtureOfAttentionHeads):
+                    row["rows_per_expert"] = row["tokens"] * module.top_k / module.num_experts
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def decode_step(module, prefix, step):
+    """A job that runs one incremental step of ``module`` (query ``step``, time-first) after the
+    cached ``prefix``, each time from the same cache."""
+    state = {}
+    with torch.no_grad():
+        module(prefix, prefix, prefix, incremental_state=state, need_weights=False)
+
+    def run():
+        module(step, step, step, incremental_state={key: dict(value) for key, value in state.items()},
+               need_weights=False)
+
+    return run
 
 
 def kv_cache_bytes_per_token_layer(model, device, bsz=4, steps=8):
@@ -461,10 +528,10 @@ def markdown(report):
     dates = ", ".join(f"{name} {date}" for name, date in report["dates"].items())
     lines = [f"MoA and MoH benchmark, {report['machine']}, torch {report['torch']}, {report['threads']} threads "
              f"(measured: {dates})."
-             + (f" Matmul peak (float32 2048^3): {report['peak_gflops']:.0f} GFLOP/s." if "peak_gflops" in report else ""),
-             "",
-             "| module | tokens | seq | fwd ms | fwd+bwd ms | fwd+bwd % of peak | vs MHA (fwd+bwd) | overhead | "
-             "authors-style fwd+bwd ms | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
+             + (f" Matmul peak (float32 2048^3): {report['peak_gflops']:.0f} GFLOP/s." if "peak_gflops" in report else "")]
+    if report["modules"]:
+        lines += ["", "| module | tokens | seq | fwd ms | fwd+bwd ms | fwd+bwd % of peak | vs MHA (fwd+bwd) | overhead | "
+                  "authors-style fwd+bwd ms | speed-up |", "|---|---|---|---|---|---|---|---|---|---|"]
     mha = {(r["tokens"], r["seq_len"]): r for r in report["modules"] if r["module"] == "MHA 8x64"}
     for r in report["modules"]:
         base = mha[(r["tokens"], r["seq_len"])]["fwd_bwd_ms"]
@@ -473,6 +540,16 @@ def markdown(report):
         lines.append(f"| {r['module']} | {r['tokens']} | {r['seq_len']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | "
                      f"{100 * r['fwd_bwd_peak_fraction']:.0f}% | {r['fwd_bwd_ms'] / base:.2f}x | {overhead} | "
                      + (f"{authors:.1f} | {authors / r['fwd_bwd_ms']:.2f}x |" if authors else " | |"))
+    if report.get("crossover"):
+        lines += ["", "Routed paths against the dense ones (MoA: every expert in one matmul; MoH: every head computed "
+                  "and gated), medians of interleaved rounds; decode_step: one incremental step, one query per "
+                  "sentence, tokens = sentences.", "",
+                  "| module | mode | tokens | rows per expert | dense ms | routed ms | routed / dense |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in report["crossover"]:
+            per_expert = f"{r['rows_per_expert']:.0f}" if "rows_per_expert" in r else ""
+            lines.append(f"| {r['module']} | {r['mode']} | {r['tokens']} | {per_expert} | {r['dense_ms']:.2f} | "
+                         f"{r['sparse_ms']:.2f} | {r['sparse_over_dense']:.2f} |")
     for section, title in (("small", "Multi30k shape (d_model 256, 3+3 layers, 4 heads of 64, 8,000 symbols)"),
                            ("models", "base shapes (d_model 512, 6+6 layers, 32,768 symbols)")):
         if not report.get(section):
@@ -523,7 +600,7 @@ def main():
     tokens = [256, 1024] if args.quick else [256, 1024, 4096, 8192]
     seqs = [64] if args.quick else [64, 256]
     out = args.out or os.path.join(RESULTS, "speed", f"{device.type}{'-quick' if args.quick else ''}.json")
-    report = {"modules": [], "moh": [], "small": [], "models": [], "dates": {}, "runs": {}}
+    report = {"modules": [], "moh": [], "crossover": [], "small": [], "models": [], "dates": {}, "runs": {}}
     if set(args.sections) != set(SECTIONS) and os.path.exists(out):  # a partial run updates its sections only
         with open(out) as f:
             report.update(json.load(f))
@@ -545,6 +622,9 @@ def main():
     if "moh" in args.sections:
         report["moh"] = moh_grid(device, repeats, [(512, 1)] if args.quick else [(512, 4), (2048, 1)])
         report["dates"]["moh"] = today
+    if "crossover" in args.sections:
+        report["crossover"] = crossover(device, repeats, (32, 512) if args.quick else (32, 128, 512, 2048, 8192))
+        report["dates"]["crossover"] = today
     for section in ("small", "models"):
         if section in args.sections and not (args.quick and section == "models"):
             report[section] = side_by_side(section, device, 2 if args.quick else args.rounds, args.profile)

@@ -122,13 +122,20 @@ def prepare(pair, workdir, mirror, smoke):
     return data_dir
 
 
-def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200):
-    """Forward MACs per target token over the first ``pairs`` validation pairs, teacher-forced."""
+def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200, overrides=None):
+    """Forward MACs per target token over the first ``pairs`` validation pairs, teacher-forced, of the
+    method: MoA on its routed path (only the selected experts' projections), whatever the batch size;
+    ``overrides``: model arguments to change, as fairseq-generate's --model-overrides."""
     from fairseq import checkpoint_utils
 
+    from moa.moa_attention import MixtureOfAttentionHeads
+
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [checkpoint], arg_overrides={"data": os.path.join(data_dir, "data-bin")})
+        [checkpoint], arg_overrides={"data": os.path.join(data_dir, "data-bin"), **(overrides or {})})
     model = models[0].eval()
+    for module in model.modules():
+        if isinstance(module, MixtureOfAttentionHeads):
+            module.dense_below_rows = 0
     d = task.source_dictionary
     src_lines = list(read_lines(os.path.join(data_dir, "spm", f"val.{src}")))[:pairs]
     tgt_lines = list(read_lines(os.path.join(data_dir, "spm", f"val.{tgt}")))[:pairs]
@@ -183,14 +190,15 @@ def valid_nll_by_updates(log):
             for n, u in re.findall(r"\| nll_loss ([\d.]+) \|.*\| num_updates (\d+)", line)}
 
 
-def translate_and_score(checkpoint, data_dir, tgt, generate_log):
-    """Translate every test sentence (beam 4, length penalty 0.6, batches of 128) and score them:
-    sacreBLEU, its signature, tokenised BLEU, wall time and fairseq's own decoding time."""
+def translate_and_score(checkpoint, data_dir, tgt, generate_log, extra=()):
+    """Translate every test sentence (beam 4, length penalty 0.6, batches of 128; ``extra``:
+    more fairseq-generate flags) and score them: sacreBLEU, its signature, tokenised BLEU, wall
+    time and fairseq's own decoding time."""
     started = time.time()
     gen = run_logged([fairseq_command("fairseq-generate"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
                       "--cpu", "--gen-subset", "test", "--path", checkpoint, "--beam", "4", "--lenpen", "0.6",
                       "--batch-size", "128", "--required-batch-size-multiple", "1", "--post-process", "sentencepiece",
-                      "--num-workers", "0"], generate_log)
+                      "--num-workers", "0", *extra], generate_log)
     generate_wall = time.time() - started
     refs = list(read_lines(os.path.join(data_dir, "raw", f"test_2016_flickr.{tgt}")))
     report = bleu_report(ordered_hypotheses(read_hypotheses(generate_log), len(refs)), refs, tgt)

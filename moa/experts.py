@@ -10,8 +10,8 @@ never N*E.
 :func:`expert_linear` gathers its input rows, multiplies and scatter-adds the
 results in one autograd node (in the manner of ScatterMoE), so the gathered
 (N*k, in_dim) copy of the input is never kept for the backward pass; the
-backward gathers again, block by block. No host synchronisation happens
-inside it: the block sizes are Python ints computed once per module.
+backward gathers again. No host synchronisation happens inside it: the block
+sizes are Python ints computed once per module.
 """
 
 import math
@@ -22,24 +22,30 @@ from torch import Tensor, nn
 
 
 class _ExpertLinear(torch.autograd.Function):
-    """out[dst[p]] += scale[p] * x[src[p]] @ W[e] (+ b[e]) for each expert e's block of assignments p."""
+    """out[dst[p]] += scale[p] * x[src[p]] @ W[e] (+ b[e]) for each expert e's block of assignments p.
+
+    Each pass gathers its rows for every expert at once (one ``index_select``), multiplies expert by
+    expert into the blocks of one preallocated result (``mm(out=)``, no per-expert copies) and writes
+    back with one ``index_copy_``/``index_add_``: three memory passes in all, whatever E is, and E
+    matmuls (two per expert in the backward)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation, expert_dim):
         experts = weight.unbind(expert_dim)
-        # Every row written exactly once needs no zero fill: copy instead of accumulating.
-        out = (x.new_empty if dst_is_permutation else x.new_zeros)(out_rows, weight.size(-1))
-        write = out.index_copy_ if dst_is_permutation else out.index_add_
-        scales = scale.split(group_sizes) if scale is not None else [None] * len(group_sizes)
-        for e, (s, d, c) in enumerate(zip(src.split(group_sizes), dst.split(group_sizes), scales)):
-            if s.numel():
-                rows = x.index_select(0, s)
-                if c is not None:
-                    rows *= c.unsqueeze(1)
-                y = rows @ experts[e]
+        rows = x.index_select(0, src)  # (M, in_dim), sorted by expert
+        if scale is not None:
+            rows.mul_(scale.unsqueeze(1))
+        y = rows.new_empty(rows.size(0), weight.size(-1))
+        for e, (r, block) in enumerate(zip(rows.split(group_sizes), y.split(group_sizes))):
+            if r.numel():
+                torch.mm(r, experts[e], out=block)
                 if bias is not None:
-                    y += bias[e]
-                write(0, d, y)
+                    block += bias[e]
+        # Every row written exactly once needs no zero fill: copy instead of accumulating.
+        if dst_is_permutation:
+            out = y.new_empty(out_rows, y.size(1)).index_copy_(0, dst, y)
+        else:
+            out = y.new_zeros(out_rows, y.size(1)).index_add_(0, dst, y)
         ctx.save_for_backward(x, weight, scale, src, dst)
         ctx.group_sizes = group_sizes
         ctx.has_bias = bias is not None
@@ -49,41 +55,39 @@ class _ExpertLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, scale, src, dst = ctx.saved_tensors
+        sizes = ctx.group_sizes
         need_x, need_w, need_b, need_scale = ctx.needs_input_grad[:4]
-        grad_x = torch.zeros_like(x) if need_x else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        grad_b = weight.new_zeros(weight.size(ctx.expert_dim), weight.size(-1)) if need_b and ctx.has_bias else None
-        grad_scale = torch.empty_like(scale) if need_scale else None
+        grad_x = grad_w = grad_b = grad_scale = None
         experts = weight.unbind(ctx.expert_dim)
-        grad_experts = grad_w.unbind(ctx.expert_dim) if grad_w is not None else None
-        offset = 0
-        for e, (s, d) in enumerate(zip(src.split(ctx.group_sizes), dst.split(ctx.group_sizes))):
-            n = s.numel()
-            if not n:
-                if grad_w is not None:
+        g = grad_out.index_select(0, dst)  # (M, out_dim), sorted by expert
+        g_blocks = g.split(sizes)
+        rows = x.index_select(0, src) if need_w or need_scale else None  # the unscaled gathered rows
+        if need_x or need_scale:
+            g_rows = g.new_empty(g.size(0), x.size(1))  # gradient w.r.t. the (scaled) gathered rows
+            for e, (gb, block) in enumerate(zip(g_blocks, g_rows.split(sizes))):
+                if gb.numel():
+                    torch.mm(gb, experts[e].t(), out=block)
+            if need_scale:
+                grad_scale = (g_rows * rows).sum(1)
+            if need_x:
+                grad_x = torch.zeros_like(x).index_add_(0, src, g_rows if scale is None else
+                                                        g_rows.mul_(scale.unsqueeze(1)))
+        if need_w:
+            if scale is not None:
+                rows.mul_(scale.unsqueeze(1))
+            grad_w = torch.empty_like(weight)
+            grad_experts = grad_w.unbind(ctx.expert_dim)
+            for e, (r, gb) in enumerate(zip(rows.split(sizes), g_blocks)):
+                if not gb.numel():
                     grad_experts[e].zero_()
-                continue
-            g = grad_out.index_select(0, d)
-            c = scale[offset:offset + n].unsqueeze(1) if scale is not None else None
-            rows = x.index_select(0, s) if grad_w is not None or grad_scale is not None else None
-            if grad_x is not None or grad_scale is not None:
-                g_rows = g @ experts[e].t()  # gradient w.r.t. the (scaled) gathered rows
-                if grad_scale is not None:
-                    grad_scale[offset:offset + n] = (g_rows * rows).sum(1)
-                if grad_x is not None:
-                    grad_x.index_add_(0, s, g_rows if c is None else g_rows * c)
-            if grad_w is not None:
-                if c is not None:
-                    rows *= c
-                if grad_experts[e].is_contiguous():
-                    torch.mm(rows.t(), g, out=grad_experts[e])
+                elif grad_experts[e].is_contiguous():
+                    torch.mm(r.t(), gb, out=grad_experts[e])
                 elif grad_experts[e].t().is_contiguous():  # a transposed view, as of nn.Linear's (out, in) weight
-                    torch.mm(g.t(), rows, out=grad_experts[e].t())
+                    torch.mm(gb.t(), r, out=grad_experts[e].t())
                 else:  # a strided (in_dim, out_dim) slice of the (in_dim, E, out_dim) layout
-                    grad_experts[e].copy_(rows.t() @ g)
-            if grad_b is not None:
-                grad_b[e] = g.sum(0)
-            offset += n
+                    grad_experts[e].copy_(r.t() @ gb)
+        if need_b and ctx.has_bias:
+            grad_b = torch.stack([gb.sum(0) for gb in g_blocks])
         return grad_x, grad_w, grad_b, grad_scale, None, None, None, None, None, None
 
 

@@ -53,6 +53,7 @@ class RoutedAttention(nn.Module):
         self.query_padding_mask: Optional[Tensor] = None
         self.routing: Optional[Routing] = None
         self.record_routing = True
+        self.beam_size = 1
 
     def forward(
         self,
@@ -76,6 +77,14 @@ class RoutedAttention(nn.Module):
         """
         if before_softmax:
             raise NotImplementedError(f"{type(self).__name__} does not return pre-softmax scores")
+        if self.beam_size > 1 and self.encoder_decoder_attention and incremental_state is not None:
+            return self._beamable_forward(query, key, value, key_padding_mask, incremental_state, need_weights,
+                                          static_kv, attn_mask, need_head_weights)
+        return self._forward(query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
+                             attn_mask, need_head_weights)
+
+    def _forward(self, query, key, value, key_padding_mask, incremental_state, need_weights, static_kv, attn_mask,
+                 need_head_weights):
         tgt_len, bsz, embed_dim = query.shape
         if embed_dim != self.embed_dim:
             raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
@@ -90,6 +99,38 @@ class RoutedAttention(nn.Module):
         y, weights = self.mix(x, routing, routed_queries, keys, values, bias, tgt_len, bsz,
                               need_weights or need_head_weights, need_head_weights, decoding)
         return y.view(tgt_len, bsz, embed_dim), weights
+
+    def set_beam_size(self, beam_size: int) -> None:
+        """Beam search's beam, as fairseq's ``MultiheadAttention.set_beam_size`` (called through the
+        model's ``set_beam_size`` by fairseq's SequenceGenerator): encoder-decoder attention then keeps
+        one copy of the source keys and values per sentence instead of one per hypothesis."""
+        self.beam_size = beam_size
+
+    def _beamable_forward(self, query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
+                          attn_mask, need_head_weights):
+        """Encoder-decoder attention in beam search: the ``beam`` hypotheses of a sentence (rows
+        b * beam + j, which share their source) are folded into the query length of the sentence, so
+        the cached source keys and values, and their reordering, are per sentence (batch / beam rows).
+        The output is the unfolded ``_forward``'s, for every query token."""
+        beam = self.beam_size
+        tgt_len, rows, dim = query.shape
+        if rows % beam:
+            raise ValueError(f"beam search with beam {beam} passed {rows} hypotheses, not a multiple of the beam")
+        bsz = rows // beam
+        folded = query.view(tgt_len, bsz, beam, dim).permute(2, 0, 1, 3).reshape(beam * tgt_len, bsz, dim)
+        if key is not None and key.size(1) == rows:  # the first step: one copy of each sentence's source
+            key = key.view(key.size(0), bsz, beam, -1)[:, :, 0]
+            value = value.view(value.size(0), bsz, beam, -1)[:, :, 0]
+        if key_padding_mask is not None and key_padding_mask.size(0) == rows:
+            key_padding_mask = key_padding_mask.view(bsz, beam, -1)[:, 0]
+        if attn_mask is not None:  # (tgt_len, src_len), the same for every hypothesis
+            attn_mask = attn_mask.repeat(beam, 1)
+        y, weights = self._forward(folded, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
+                                   attn_mask, need_head_weights)
+        y = y.view(beam, tgt_len, bsz, dim).permute(1, 2, 0, 3).reshape(tgt_len, rows, dim)
+        if weights is not None:  # (..., bsz, beam * tgt_len, src_len) -> (..., rows, tgt_len, src_len)
+            weights = weights.reshape(*weights.shape[:-3], rows, tgt_len, weights.size(-1))
+        return y, weights
 
     def route(self, x: Tensor, padding: Optional[Tensor], aux: bool = True) -> Tuple[Routing, Optional[Tensor]]:
         """x: (N, embed_dim) the queries; padding: (N,) bool or None; ``aux``: False in incremental
@@ -167,12 +208,19 @@ class RoutedAttention(nn.Module):
         return mask.bool().transpose(0, 1).reshape(-1)
 
     def reorder_incremental_state(self, incremental_state: Dict[str, Dict[str, Optional[Tensor]]], new_order: Tensor):
-        """Re-index every cached tensor along the batch dimension (beam search)."""
+        """Re-index every cached tensor along the batch dimension (beam search). The per-sentence source
+        cache of beamable encoder-decoder attention (:meth:`set_beam_size`) moves only when sentences
+        leave the batch, to the sentences of ``new_order``'s beams."""
         buffer = self._get_input_buffer(incremental_state)
         if buffer:
+            beam = self.beam_size if self.encoder_decoder_attention else 1
             for name, cached in buffer.items():
-                if cached is not None:
-                    buffer[name] = cached.index_select(0, new_order)
+                if cached is None:
+                    continue
+                if beam > 1 and cached.size(0) * beam == new_order.size(0):
+                    continue  # every hypothesis stays with its sentence
+                order = new_order.view(-1, beam)[:, 0] // beam if beam > 1 else new_order
+                buffer[name] = cached.index_select(0, order)
             incremental_state = self._set_input_buffer(incremental_state, buffer)
         return incremental_state
 

@@ -33,7 +33,8 @@ def test_authors_style_baseline_matches_moa_with_raw_gates():
 @pytest.mark.slow
 def test_quick_benchmark_reports_every_module(tmp_path):
     out = tmp_path / "quick.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.moa_speed", "--quick",
+    profile = tmp_path / "profile"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.moa_speed", "--quick", "--profile", str(profile),
                            "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -50,6 +51,19 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     assert moh["MoH 50% (4 + top-4 of 12)"]["macs_ratio"] == pytest.approx((2 + 1 + 512 / 1024) / (4 + 2 * 512 / 1024))
     for row in moh.values():
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ratio"] > 0
+    small = {r["arch"]: r for r in report["small"]}  # the Multi30k shape, whole models side by side
+    assert list(small) == ["transformer", "moa_small", "moh_small"]
+    assert small["transformer"]["train_ratio"] == small["transformer"]["decode_ratio"] == 1.0
+    for row in small.values():
+        assert row["train_ms"] > 0 and row["decode_ms"] > 0 and row["peak_mb"] > row["step_rise_mb"] > 0
+        assert row["saved_activations_mb"] > 0 and row["batch"] == "128x16"
+    # MoA's single shared K/V head: a quarter of the 4-head Transformer's cache
+    assert small["moa_small"]["kv_cache_bytes_per_token_per_layer"] * 4 == \
+        small["transformer"]["kv_cache_bytes_per_token_per_layer"]
+    assert report["runs"]["small"]["command"].startswith("python -m benchmarks.moa_speed --quick")
+    table = (profile / "small-moa_small-train.txt").read_text()
+    assert "moa:router (MoA)" in table and "moa:expert projection backward" in table and "aten::mm" in table
+    assert "moa:multi-head attention module" in (profile / "small-transformer-decode.txt").read_text()
 
 
 @pytest.mark.slow

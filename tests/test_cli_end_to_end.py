@@ -199,3 +199,30 @@ def test_moh_trains_translates_every_test_sentence_scores_and_resumes(trained_mo
     assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt .*\(epoch \d+ @ 20 updates\)", resumed)
     last_state = torch.load(os.path.join(resumed_dir, "checkpoint_last.pt"), map_location="cpu")
     assert last_state["optimizer_history"][-1]["num_updates"] == 30
+
+
+@pytest.mark.parametrize("model, overrides, attribute, value", [
+    ("moa", "{'moa_top_k': 1}", "top_k", 1),  # trained with 2 of 4 experts
+    ("moh", "{'moh_top_k': 0}", "top_k", 0),  # trained with 1 shared + top-2 of 3: the shared head alone
+    ("moh", "{'moh_top_k': 3}", "top_k", 3),  # every head
+])
+def test_the_compute_dial_decodes_a_trained_model_with_another_k(trained, trained_moh, model, overrides, attribute,
+                                                                   value):
+    """fairseq-generate --model-overrides changes the number of active experts or routed heads of a
+    trained model, and nothing else: the model fairseq builds from the same overrides has it."""
+    from fairseq import checkpoint_utils
+
+    from moa.moa_attention import MixtureOfAttentionHeads
+    from moa.moh_attention import MixtureOfHeadsAttention
+
+    fixture = trained if model == "moa" else trained_moh
+    checkpoint = os.path.join(fixture["ckpt"], "checkpoint_last.pt")
+    proc = run_cli("fairseq-generate", fixture["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset", "test",
+                   "--path", checkpoint, "--beam", "4", "--batch-size", "8", "--required-batch-size-multiple", "1",
+                   "--model-overrides", overrides)
+    assert f"Translated {TEST_SENTENCES} sentences" in proc.stdout + proc.stderr
+    assert len(re.findall(r"^H-\d+\t", proc.stdout, re.M)) == TEST_SENTENCES
+    models, _ = checkpoint_utils.load_model_ensemble([checkpoint], arg_overrides=eval(overrides))
+    kind = MixtureOfAttentionHeads if model == "moa" else MixtureOfHeadsAttention
+    modules = [m for m in models[0].modules() if isinstance(m, kind)]
+    assert modules and {getattr(m, attribute) for m in modules} == {value}

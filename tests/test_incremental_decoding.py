@@ -1,7 +1,9 @@
 """Incremental decoding (beam search's path) equals the full causal forward of the decoder, for
 MoA and MoH models whose routers send tokens to different experts or heads: MoA with a drawn router
-(a zero router would send every token to the same experts), MoH's learned and query-norm routers,
-and MoH's sparse decoding path (only the selected heads computed per step) beside its default."""
+(a zero router would send every token to the same experts), on its routed path (per-expert
+projections) and its dense one (every expert in one matmul, what small batches take); MoH's learned
+and query-norm routers, its sparse decoding path (only the selected heads computed per step) beside
+its default, and its shared heads alone (top-K 0, the inference dial)."""
 
 import pytest
 import torch
@@ -13,12 +15,14 @@ from moa.moh_attention import MixtureOfHeadsAttention
 
 MOA = ["--moa-experts", "4", "--moa-head-dim", "8", "--moa-router-init", "normal"]
 MOH = ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--moh-shared-heads", "1"]
-MODELS = {  # id: (arch, flags, MoH's sparse decoding path)
-    "moa-routed-2of4": ("moa_small", MOA + ["--moa-top-k", "2"], False),
+MODELS = {  # id: (arch, flags, sparse: MoA's routed path at every size, MoH's sparse decoding path)
+    "moa-routed-2of4": ("moa_small", MOA + ["--moa-top-k", "2"], True),
+    "moa-2of4-dense-path": ("moa_small", MOA + ["--moa-top-k", "2"], False),
     "moa-dense-4of4": ("moa_small", MOA + ["--moa-top-k", "4"], False),
     "moh-1+top1of3": ("moh_small", MOH + ["--moh-top-k", "1"], False),
     "moh-1+top1of3-sparse-decoding": ("moh_small", MOH + ["--moh-top-k", "1"], True),
     "moh-1+top3of3": ("moh_small", MOH + ["--moh-top-k", "3"], False),
+    "moh-1+top0of3-shared-only": ("moh_small", MOH + ["--moh-top-k", "0"], False),
     "moh-query-norm-1+top1of3": ("moh_small", MOH + ["--moh-top-k", "1", "--moh-router", "query-norm"], False),
     "moh-query-norm-1+top2of3-sparse-decoding": ("moh_small", MOH + ["--moh-top-k", "2", "--moh-router", "query-norm"],
                                                  True),
@@ -27,14 +31,16 @@ MODELS = {  # id: (arch, flags, MoH's sparse decoding path)
 
 @pytest.fixture(params=list(MODELS))
 def any_tiny_model(request):
-    arch, extra, sparse_decoding = MODELS[request.param]
+    arch, extra, sparse = MODELS[request.param]
     torch.manual_seed(0)
     shape = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
              "--encoder-ffn-embed-dim", "64", "--dropout", "0", "--attention-dropout", "0"]
     model = build_model(arch, 40, shape + extra).eval()
     for module in model.modules():
         if isinstance(module, MixtureOfHeadsAttention):
-            module.decode_all_heads = not sparse_decoding
+            module.decode_all_heads = not sparse
+        if isinstance(module, MixtureOfAttentionHeads):
+            module.dense_below_rows = 0 if sparse else 10 ** 9
     return model
 
 
@@ -109,3 +115,46 @@ def test_beam_reorder_equals_full_forward_on_reordered_prefixes(any_tiny_model):
                  for t in range(3, 6)]
         full = _full_logits(tiny_model, encoder_out, reordered)
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 3:], rtol=1e-4, atol=1e-5)
+
+
+def test_beam_search_with_per_sentence_source_cache_equals_one_copy_per_hypothesis(any_tiny_model, monkeypatch):
+    """fairseq's SequenceGenerator sets the beam on the model: the routed encoder-decoder attention then
+    caches the source once per sentence and folds the hypotheses into the query length. Hypotheses and
+    scores equal those of a copy per hypothesis, also after sentences finish and leave the batch."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model = any_tiny_model
+    with torch.no_grad():  # make </s> likely, so that sentences finish at different steps
+        model.decoder.embed_tokens.weight[model.decoder.dictionary.eos()] *= 4
+    torch.manual_seed(6)
+    src = torch.randint(4, 40, (6, 7))
+    src[2, :3] = model.encoder.padding_idx
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(model.encoder.padding_idx).sum(1)}}
+    from moa.routed_attention import RoutedAttention
+
+    source_rows = []  # rows of the cached source keys each folded call saw
+    original = RoutedAttention._beamable_forward
+
+    def counting(self, query, key, *args):
+        out = original(self, query, key, *args)
+        source_rows.append(query.size(1) // self.beam_size)
+        return out
+
+    monkeypatch.setattr(RoutedAttention, "_beamable_forward", counting)
+    results = []
+    for beamable in (True, False):
+        generator = SequenceGenerator([model], model.decoder.dictionary, beam_size=4, max_len_b=12)
+        if not beamable:
+            model.set_beam_size(1)  # what the modules do when nothing sets the beam
+        cross = [m for m in model.modules() if getattr(m, "encoder_decoder_attention", False)
+                 and hasattr(m, "beam_size") and not hasattr(m, "in_proj_bias")]
+        assert cross and {m.beam_size for m in cross} == {4 if beamable else 1}
+        results.append(generator.generate([model], sample))
+    lengths = set()
+    for with_cache, without in zip(*results):
+        for a, b in zip(with_cache, without):
+            assert torch.equal(a["tokens"], b["tokens"])
+            torch.testing.assert_close(a["score"], b["score"])
+            lengths.add(len(a["tokens"]))
+    assert len(lengths) > 1  # sentences finished at different steps, so the batch shrank on the way
+    assert source_rows and max(source_rows) == 6 and min(source_rows) < 6  # per sentence, and fewer later

@@ -144,6 +144,15 @@ class RoutedModel:
         check_dictionary_sizes(self.state_dict(), state_dict)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
+    def set_beam_size(self, beam_size: int) -> None:
+        """Called by fairseq's SequenceGenerator before beam search: the routed encoder-decoder
+        attention modules keep one copy of the source keys and values per sentence in incremental
+        decoding (:meth:`~moa.routed_attention.RoutedAttention.set_beam_size`). fairseq's own
+        ``MultiheadAttention`` is left alone: it would apply the beam to training batches too."""
+        for module in self.modules():
+            if isinstance(module, RoutedAttention) and module.encoder_decoder_attention:
+                module.set_beam_size(beam_size)
+
     def pop_routings(self) -> List[Routing]:
         """The :class:`~moa.routing.Routing` of every routed module since the last call, clearing them."""
         return [routing for _, routing in pop_named_routings(self)]

@@ -1,0 +1,120 @@
+"""The GPU path, in one command on a CUDA machine (skipped elsewhere):
+
+    .venv/bin/python -m pytest -q -m "slow or not slow" tests/gpu
+
+* forward and backward of MoA (routed and dense paths, k < E and k = E) and MoH (learned and
+  query-norm routers, the packed and the every-head paths, the shared heads alone) on CUDA equal the
+  same model on the CPU, outputs and every gradient;
+* incremental decoding with a beam reorder on CUDA equals the full causal forward;
+* fairseq-train with ``--fp16`` and with ``--bf16`` trains MoA and MoH for a few updates to a finite
+  loss, and fairseq-generate translates every test sentence with the half-precision model (slow).
+"""
+
+import math
+import re
+
+import pytest
+import torch
+
+from helpers import build_model, run_cli, translation_sample
+from moa.moa_attention import MixtureOfAttentionHeads
+from moa.moh_attention import MixtureOfHeadsAttention
+from moa_tools import USER_DIR
+from moa_tools.commands.demo import write_corpus
+from test_incremental_decoding import MODELS, _encode, _full_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SHAPE = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
+         "--encoder-ffn-embed-dim", "64", "--dropout", "0", "--attention-dropout", "0"]
+
+
+def _model(model_id):
+    arch, extra, sparse = MODELS[model_id]
+    torch.manual_seed(0)
+    model = build_model(arch, 40, SHAPE + extra).eval()
+    for module in model.modules():
+        if isinstance(module, MixtureOfHeadsAttention):
+            module.decode_all_heads = not sparse
+        if isinstance(module, MixtureOfAttentionHeads):
+            module.dense_below_rows = 0 if sparse else 10 ** 9
+    return model
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    """TF32 would round the CUDA matmuls to 10 mantissa bits; the comparisons are of float32."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_forward_and_backward_on_cuda_equal_the_cpu(model_id):
+    cpu = _model(model_id)
+    cuda = _model(model_id).cuda()
+    sample = translation_sample(cpu.decoder.dictionary.pad(), batch=4, src_len=7, tgt_len=6)
+    probe = torch.randn(4, 6, 40)
+    grads = []
+    for model, device in ((cpu, "cpu"), (cuda, "cuda")):
+        inputs = {k: v.to(device) for k, v in sample["net_input"].items()}
+        logits, _ = model(**inputs)
+        (logits * probe.to(device)).sum().backward()
+        grads.append((logits.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = grads
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-3, atol=1e-5,
+                                   msg=lambda msg: f"gradient of {name}: {msg}")
+
+
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_incremental_decoding_on_cuda_equals_the_full_forward(model_id):
+    model = _model(model_id).cuda()
+    torch.manual_seed(4)
+    src = torch.randint(4, 40, (4, 6), device="cuda")
+    prev = torch.randint(4, 40, (4, 6), device="cuda")
+    new_order = torch.tensor([2, 2, 0, 3], device="cuda")
+    with torch.no_grad():
+        encoder_out = _encode(model, src)
+        state = {}
+        for t in range(3):
+            model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+        model.decoder.reorder_incremental_state_scripting(state, new_order)
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
+        reordered = prev[new_order]
+        steps = [model.decoder(reordered[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
+                 for t in range(3, 6)]
+        full = _full_logits(model, encoder_out, reordered)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 3:], rtol=1e-4, atol=1e-5)
+
+
+TRAIN_SHAPE = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
+               "--encoder-ffn-embed-dim", "128", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+               "--share-all-embeddings"]
+ARCHS = {"moa": ["--arch", "moa_small", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16"],
+         "moh": ["--arch", "moh_small", "--moh-shared-heads", "1", "--moh-top-k", "2"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_training_and_generation(arch, precision, tmp_path):
+    raw, data_bin, ckpt = str(tmp_path / "raw"), str(tmp_path / "bin"), str(tmp_path / "checkpoints")
+    write_corpus(raw, {"train": 400, "valid": 20, "test": 12}, seed=3)
+    run_cli("fairseq-preprocess", "--source-lang", "en", "--target-lang", "de", "--trainpref", f"{raw}/train",
+            "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test", "--destdir", data_bin,
+            "--joined-dictionary", "--workers", "1")
+    train = run_cli("fairseq-train", data_bin, "--user-dir", USER_DIR, *ARCHS[arch], *TRAIN_SHAPE, precision,
+                    "--criterion", "moa_label_smoothed_cross_entropy", "--optimizer", "adam", "--lr", "1e-3",
+                    "--max-tokens", "1000", "--num-workers", "0", "--log-format", "simple", "--log-interval", "1",
+                    "--max-update", "8", "--save-dir", ckpt)
+    log = train.stdout + train.stderr
+    losses = [float(v) for v in re.findall(r"\| train \|.* loss ([-\d.naninf]+)", log)]
+    assert losses and all(math.isfinite(v) for v in losses), log[-2000:]
+    assert "num_updates 8" in log or "num_updates=8" in log
+    generate = run_cli("fairseq-generate", data_bin, "--user-dir", USER_DIR, "--path", f"{ckpt}/checkpoint_last.pt",
+                       "--gen-subset", "test", precision, "--beam", "4", "--batch-size", "6")
+    assert "Translated 12 sentences" in generate.stdout + generate.stderr
