@@ -299,7 +299,7 @@ def criterion_for(model, arch):
 
 
 SHAPES = {  # section -> archs (the first is the reference), extra flags, dictionary size, batch, length, beam sentences
-    "small": (("transformer", "moa_small", "moh_small"),
+    "small": (("transformer", "moa_small", "moh_small", "moh_small/query-norm"),
               ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "256",
                "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
                "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
@@ -309,11 +309,19 @@ SHAPES = {  # section -> archs (the first is the reference), extra flags, dictio
 }
 
 
-def shape_model(section, arch, device):
-    """The model of ``arch`` at the shape of ``section`` (see :data:`SHAPES`), on a joined dictionary."""
+VARIANTS = {  # model name -> (arch, its flags)
+    # what moa-convert-moh makes of the Transformer at 75% of the heads with the parameter-free router
+    "moh_small/query-norm": ("moh_small", ["--moh-router", "query-norm"]),
+}
+
+
+def shape_model(section, name, device):
+    """The model ``name`` (an arch or one of :data:`VARIANTS`) at the shape of ``section`` (see
+    :data:`SHAPES`), on a joined dictionary."""
     _, flags, dictionary_size, *_ = SHAPES[section]
+    arch, extra = VARIANTS.get(name, (name, []))
     torch.manual_seed(0)
-    return build_translation_model(arch, dictionary_of_size(dictionary_size), flags).to(device)
+    return build_translation_model(arch, dictionary_of_size(dictionary_size), flags + extra).to(device)
 
 
 def train_step(model, arch, sample):
@@ -387,7 +395,7 @@ def side_by_side(section, device, rounds, profile_dir=None):
     if profile_dir:
         for arch in archs:
             for job in ("train", "decode"):
-                profile_table(jobs[arch][job], os.path.join(profile_dir, f"{section}-{arch}-{job}.txt"),
+                profile_table(jobs[arch][job], os.path.join(profile_dir, f"{section}-{arch.replace('/', '-')}-{job}.txt"),
                               f"{arch}, {job}: {bsz}x{length} training batch, beam-4 decoding of {sentences} "
                               f"sentences forced to {length} tokens")
     return rows

@@ -292,6 +292,14 @@ class TwoStageHeadRouter(nn.Module):
 
     needs_routed_queries = False
 
+    def _logits(self, x32: Tensor) -> Dict[str, Tensor]:
+        """The logits of W_s, W_r (when K > 0) and W_h, from one matmul over the stacked weights."""
+        layers = {name: layer for name, layer in (("shared", self.shared), ("routed", self.routed), ("mix", self.mix))
+                  if layer is not None and (name != "routed" or self.top_k)}
+        weights = [layer.weight for layer in layers.values()]
+        logits = router_linear(x32, weights[0] if len(weights) == 1 else torch.cat(weights))
+        return dict(zip(layers, logits.split([w.size(0) for w in weights], dim=-1)))
+
     def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None,
                 routed_queries: Optional[Tensor] = None, aux: bool = True) -> HeadRouting:
         """x: (N, embed_dim); padding_mask: (N,) bool, True where the token is padding;
@@ -302,12 +310,13 @@ class TwoStageHeadRouter(nn.Module):
         keep = None if padding_mask is None else (~padding_mask).to(x32.dtype)
         shared = routed = heads = probs = None
         balance = load = mean_alpha = None
+        logits = self._logits(x32)
         if self.shared is not None:
-            shared = router_linear(x32, self.shared.weight).softmax(dim=-1)
+            shared = logits["shared"].softmax(dim=-1)
             if unit:
                 shared = shared * self.shared_heads
         if self.top_k:
-            probs = router_linear(x32, self.routed.weight).softmax(dim=-1)  # (N, E)
+            probs = logits["routed"].softmax(dim=-1)  # (N, E)
             top_probs, heads = probs.topk(self.top_k, dim=-1)
             routed = self.top_k * top_probs / top_probs.sum(dim=-1, keepdim=True).clamp(min=1e-9) if unit \
                 else top_probs
@@ -315,7 +324,7 @@ class TwoStageHeadRouter(nn.Module):
                 l_a, load = load_balancing_loss(probs, heads, keep)  # E sum P f with sum f = 1
                 balance = l_a * self.top_k * (1.0 if self.balance_loss == "experts-scaled" else 1.0 / self.routed_heads)
         if self.mix is not None:
-            alphas = router_linear(x32, self.mix.weight).softmax(dim=-1)  # (N, 2)
+            alphas = logits["mix"].softmax(dim=-1)  # (N, 2)
             alpha_shared = alphas[:, 0]
             if unit:
                 alphas = 2 * alphas

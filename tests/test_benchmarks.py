@@ -52,7 +52,7 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     for row in moh.values():
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ratio"] > 0
     small = {r["arch"]: r for r in report["small"]}  # the Multi30k shape, whole models side by side
-    assert list(small) == ["transformer", "moa_small", "moh_small"]
+    assert list(small) == ["transformer", "moa_small", "moh_small", "moh_small/query-norm"]
     assert small["transformer"]["train_ratio"] == small["transformer"]["decode_ratio"] == 1.0
     for row in small.values():
         assert row["train_ms"] > 0 and row["decode_ms"] > 0 and row["peak_mb"] > row["step_rise_mb"] > 0

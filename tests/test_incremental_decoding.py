@@ -31,7 +31,12 @@ MODELS = {  # id: (arch, flags, sparse: MoA's routed path at every size, MoH's s
 
 @pytest.fixture(params=list(MODELS))
 def any_tiny_model(request):
-    arch, extra, sparse = MODELS[request.param]
+    return tiny_decoding_model(request.param)
+
+
+def tiny_decoding_model(model_id):
+    """The model of MODELS[model_id], in eval mode, with its paths set (also used by tests/gpu)."""
+    arch, extra, sparse = MODELS[model_id]
     torch.manual_seed(0)
     shape = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
              "--encoder-ffn-embed-dim", "64", "--dropout", "0", "--attention-dropout", "0"]
@@ -98,22 +103,27 @@ def test_cache_holds_one_shared_head(tiny_model):
 
 
 def test_beam_reorder_equals_full_forward_on_reordered_prefixes(any_tiny_model):
-    tiny_model = any_tiny_model
+    check_beam_reorder(any_tiny_model)
+
+
+def check_beam_reorder(model, device="cpu"):
+    """Three steps, a reorder that duplicates and drops hypotheses, three more steps: the logits equal
+    the full forward on the reordered prefixes (also run on CUDA by tests/gpu)."""
     torch.manual_seed(4)
-    src = torch.randint(4, 40, (4, 6))
-    prev = torch.randint(4, 40, (4, 6))
-    new_order = torch.tensor([2, 2, 0, 3])  # beam search duplicates and drops hypotheses
+    src = torch.randint(4, 40, (4, 6), device=device)
+    prev = torch.randint(4, 40, (4, 6), device=device)
+    new_order = torch.tensor([2, 2, 0, 3], device=device)  # beam search duplicates and drops hypotheses
     with torch.no_grad():
-        encoder_out = _encode(tiny_model, src)
+        encoder_out = _encode(model, src)
         state = {}
         for t in range(3):
-            tiny_model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
-        tiny_model.decoder.reorder_incremental_state_scripting(state, new_order)
-        encoder_out = tiny_model.encoder.reorder_encoder_out(encoder_out, new_order)
+            model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
+        model.decoder.reorder_incremental_state_scripting(state, new_order)
+        encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
         reordered = prev[new_order]
-        steps = [tiny_model.decoder(reordered[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
+        steps = [model.decoder(reordered[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
                  for t in range(3, 6)]
-        full = _full_logits(tiny_model, encoder_out, reordered)
+        full = _full_logits(model, encoder_out, reordered)
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 3:], rtol=1e-4, atol=1e-5)
 
 

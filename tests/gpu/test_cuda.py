@@ -16,30 +16,12 @@ import re
 import pytest
 import torch
 
-from helpers import build_model, run_cli, translation_sample
-from moa.moa_attention import MixtureOfAttentionHeads
-from moa.moh_attention import MixtureOfHeadsAttention
+from helpers import run_cli, translation_sample
 from moa_tools import USER_DIR
 from moa_tools.commands.demo import write_corpus
-from test_incremental_decoding import MODELS, _encode, _full_logits
+from test_incremental_decoding import MODELS, check_beam_reorder, tiny_decoding_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-SHAPE = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
-         "--encoder-ffn-embed-dim", "64", "--dropout", "0", "--attention-dropout", "0"]
-
-
-def _model(model_id):
-    arch, extra, sparse = MODELS[model_id]
-    torch.manual_seed(0)
-    model = build_model(arch, 40, SHAPE + extra).eval()
-    for module in model.modules():
-        if isinstance(module, MixtureOfHeadsAttention):
-            module.decode_all_heads = not sparse
-        if isinstance(module, MixtureOfAttentionHeads):
-            module.dense_below_rows = 0 if sparse else 10 ** 9
-    return model
-
 
 @pytest.fixture(autouse=True)
 def exact_float32_matmuls():
@@ -52,8 +34,8 @@ def exact_float32_matmuls():
 
 @pytest.mark.parametrize("model_id", list(MODELS))
 def test_forward_and_backward_on_cuda_equal_the_cpu(model_id):
-    cpu = _model(model_id)
-    cuda = _model(model_id).cuda()
+    cpu = tiny_decoding_model(model_id)
+    cuda = tiny_decoding_model(model_id).cuda()
     sample = translation_sample(cpu.decoder.dictionary.pad(), batch=4, src_len=7, tgt_len=6)
     probe = torch.randn(4, 6, 40)
     grads = []
@@ -72,23 +54,7 @@ def test_forward_and_backward_on_cuda_equal_the_cpu(model_id):
 
 @pytest.mark.parametrize("model_id", list(MODELS))
 def test_incremental_decoding_on_cuda_equals_the_full_forward(model_id):
-    model = _model(model_id).cuda()
-    torch.manual_seed(4)
-    src = torch.randint(4, 40, (4, 6), device="cuda")
-    prev = torch.randint(4, 40, (4, 6), device="cuda")
-    new_order = torch.tensor([2, 2, 0, 3], device="cuda")
-    with torch.no_grad():
-        encoder_out = _encode(model, src)
-        state = {}
-        for t in range(3):
-            model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)
-        model.decoder.reorder_incremental_state_scripting(state, new_order)
-        encoder_out = model.encoder.reorder_encoder_out(encoder_out, new_order)
-        reordered = prev[new_order]
-        steps = [model.decoder(reordered[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0]
-                 for t in range(3, 6)]
-        full = _full_logits(model, encoder_out, reordered)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 3:], rtol=1e-4, atol=1e-5)
+    check_beam_reorder(tiny_decoding_model(model_id).cuda(), "cuda")
 
 
 TRAIN_SHAPE = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
