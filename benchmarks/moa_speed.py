@@ -209,7 +209,7 @@ def use_dense_path(module, dense):
     """MoA: every expert in one matmul (dense) or per expert on its rows; MoH: every head computed
     and gated (dense) or the active heads packed, in training and in decoding alike."""
     if isinstance(module, MixtureOfAttentionHeads):
-        module.dense_below_rows = 10 ** 9 if dense else 0
+        module.dense_overhead_macs = 10 ** 18 if dense else 0
     else:
         module.compute_all_heads = module.decode_all_heads = dense
 
@@ -218,7 +218,7 @@ def crossover(device, repeats, token_counts=(32, 128, 512, 2048, 8192), seq=16):
     """Each routed module's two paths timed in turn (medians of ``repeats`` rounds) at growing token
     counts (sequences of ``seq`` tokens), forward alone (no gradient) and forward+backward, and one
     incremental decoding step (one query per sentence over ``seq`` cached positions): the measurement
-    behind MoA's ``dense_below_rows`` and MoH's ``decode_all_heads``."""
+    behind MoA's ``dense_overhead_macs`` and MoH's ``packed_min_tokens`` and ``decode_all_heads``."""
     rows = []
     for name, (dim, build) in CROSSOVER_MODULES.items():
         torch.manual_seed(0)

@@ -28,7 +28,11 @@ from moa.routed_attention import RoutedAttention, attention_bias, attention_prob
 from moa.routing import ExpertRouting, TopKRouter
 
 
-DENSE_BELOW_ROWS = 64  # see MixtureOfAttentionHeads.mix; benchmarks.moa_speed's "crossover" section measures it
+# What the routed path's per-expert work (a gather, a matmul launch, a write-back, forward and backward)
+# costs, in multiply-adds of a large matmul's time: fitted to the crossover of the two paths on a 2-core
+# CPU (python -m benchmarks.moa_speed --sections crossover). A GPU's kernel launches cost more
+# multiply-adds; set the module's dense_overhead_macs from the same measurement there.
+DENSE_OVERHEAD_MACS = 5_000_000
 
 
 @with_incremental_state
@@ -69,7 +73,7 @@ class MixtureOfAttentionHeads(RoutedAttention):
         self.k_proj = nn.Linear(kdim or embed_dim, head_dim, bias=bias)
         self.v_proj = nn.Linear(vdim or embed_dim, head_dim, bias=bias)
         self.o_experts = ExpertLinear(num_experts, head_dim, embed_dim, bias)
-        self.dense_below_rows = DENSE_BELOW_ROWS
+        self.dense_overhead_macs = DENSE_OVERHEAD_MACS
         for proj in (self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight)
             if proj.bias is not None:
@@ -81,9 +85,9 @@ class MixtureOfAttentionHeads(RoutedAttention):
     def mix(self, x, routing: ExpertRouting, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
         """The selected experts' queries, multi-query attention over the shared head, and the gated
-        output projections: y_t = sum_j w_j o_j W_o^{e_j}. Fewer than ``dense_below_rows`` (token, slot)
-        rows per expert on average (decoding, small batches), or k = E, go through :meth:`_mix_dense`."""
-        if self.top_k == self.num_experts or x.size(0) * self.top_k < self.dense_below_rows * self.num_experts:
+        output projections: y_t = sum_j w_j o_j W_o^{e_j}. Small batches (decoding steps) and k = E go
+        through :meth:`_mix_dense` instead (see :meth:`takes_dense_path`)."""
+        if self.takes_dense_path(x.size(0)):
             return self._mix_dense(x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights)
         plan = ExpertDispatch(routing.selected, self.num_experts, tgt_len, bsz)
         # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
@@ -98,6 +102,13 @@ class MixtureOfAttentionHeads(RoutedAttention):
         if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
             y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
         return y, weights
+
+    def takes_dense_path(self, num_tokens: int) -> bool:
+        """Whether ``num_tokens`` queries go through :meth:`_mix_dense`: when k = E, or when its extra
+        multiply-adds per projection, N (E - k) D d_model, cost less than the routed path's per-expert
+        work, E times ``dense_overhead_macs``."""
+        extra = num_tokens * (self.num_experts - self.top_k) * self.head_dim * self.embed_dim
+        return self.top_k == self.num_experts or extra < self.dense_overhead_macs * self.num_experts
 
     def _mix_dense(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights):
         """The same output with every expert's query and output projection as one matmul each: E/k

@@ -18,17 +18,17 @@ holds the selected queries of one row for one head, in time order, padded to the
 the batch (not to the sequence length), and attends over that head's keys with a mask built from
 the queries' positions (causal and padding masks stay exact). The query and output projections of
 the routed heads go through :func:`~moa.experts.expert_linear`, so an unselected head's W_Q^i and
-W_O^i are never applied to that token. ``compute_all_heads = True`` computes every head and
-multiplies by the gates, zero for unselected heads, as the released code does; it is kept as the
-test reference, and used when every routed head is active anyway (K = E) and, by default
-(``decode_all_heads``), for incremental decoding: with one query per sentence every (sentence,
-head) group of the packed layout holds at most one query, so packing skips no attention work, only
-the unselected heads' query and output projections, and its bookkeeping costs more than those
-(docs/speed-and-memory.md).
+W_O^i are never applied to that token. Computing every head and multiplying by the gates (zero for
+unselected heads), as the released code does, is the other path: taken when every routed head is
+active anyway (K = E) or none is (K = 0: the shared heads alone), with ``compute_all_heads``, for
+forwards of fewer than ``packed_min_tokens`` queries, and by default (``decode_all_heads``) for
+incremental decoding: with one query per sentence every (sentence, head) group of the packed layout
+holds at most one query, so packing skips no attention work, only the unselected heads' query and
+output projections, and its bookkeeping costs more than those (both measured: docs/speed-and-memory.md).
 
 ``router="query-norm"`` replaces the learned router with the parameter-free one of converted models
 (:class:`~moa.routing.QueryNormHeadRouter`): it needs every routed head's query to score them, so
-those are projected once for all tokens and the selected ones are reused for attention.
+every head's query is projected once, for the router and for attention.
 """
 
 from typing import Optional, Tuple
@@ -42,6 +42,11 @@ from moa.dispatch import HeadPacking
 from moa.experts import expert_linear
 from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
 from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStageHeadRouter
+
+
+# Below this many query tokens in a forward, computing every head and gating costs less than packing
+# the routed heads' queries (python -m benchmarks.moa_speed --sections crossover, 2-core CPU).
+PACKED_MIN_TOKENS = 1024
 
 
 @with_incremental_state
@@ -84,6 +89,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
             nn.init.constant_(self.out_proj.bias, 0.0)
         self.compute_all_heads = False
         self.decode_all_heads = True
+        self.packed_min_tokens = PACKED_MIN_TOKENS
 
     @property
     def computed_heads(self) -> int:
@@ -107,7 +113,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
     def mix(self, x, routing: HeadRouting, queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
         if self.compute_all_heads or need_head_weights or self.top_k in (0, self.router.routed_heads) or \
-                (self.decode_all_heads and decoding):
+                (self.decode_all_heads and decoding) or x.size(0) < self.packed_min_tokens:
             y, weights = self._mix_all_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
                                              need_head_weights, queries)
         else:

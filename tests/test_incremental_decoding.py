@@ -44,8 +44,9 @@ def tiny_decoding_model(model_id):
     for module in model.modules():
         if isinstance(module, MixtureOfHeadsAttention):
             module.decode_all_heads = not sparse
+            module.packed_min_tokens = 0 if sparse else 10 ** 9
         if isinstance(module, MixtureOfAttentionHeads):
-            module.dense_below_rows = 0 if sparse else 10 ** 9
+            module.dense_overhead_macs = 0 if sparse else 10 ** 18
     return model
 
 

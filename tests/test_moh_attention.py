@@ -7,8 +7,17 @@ import pytest
 import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 
+from moa import moh_attention
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routing import TwoStageHeadRouter
+
+
+@pytest.fixture(params=["packed", "every-head"])
+def both_paths(request, monkeypatch):
+    """Build the modules of a test with the packed path for the routed heads, or with every head
+    computed and gated, whatever their token count (K = 0 and K = E always take the second)."""
+    monkeypatch.setattr(moh_attention, "PACKED_MIN_TOKENS", 0 if request.param == "packed" else 10 ** 9)
+    return request.param
 
 
 def reference_query_norm_gates(m: MixtureOfHeadsAttention, x):
@@ -113,7 +122,7 @@ CONFIGS = [(8, 2, 3), (8, 4, 2), (6, 0, 2), (4, 1, 1), (4, 4, 0), (4, 1, 3)]
 
 @pytest.mark.parametrize("gate_scale", ["unit", "softmax"])
 @pytest.mark.parametrize("heads, shared, top_k", CONFIGS, ids=[f"h{h}-s{s}-k{k}" for h, s, k in CONFIGS])
-def test_self_attention_with_padding_matches_the_reference(heads, shared, top_k, gate_scale):
+def test_self_attention_with_padding_matches_the_reference(heads, shared, top_k, gate_scale, both_paths):
     m = _module(heads, shared, top_k, gate_scale, self_attention=True)
     x = torch.randn(6, 3, 24, dtype=torch.double)
     padding = torch.zeros(3, 6, dtype=torch.bool)
@@ -124,7 +133,7 @@ def test_self_attention_with_padding_matches_the_reference(heads, shared, top_k,
 
 @pytest.mark.parametrize("gate_scale", ["unit", "softmax"])
 @pytest.mark.parametrize("heads, shared, top_k", CONFIGS[:3], ids=[f"h{h}-s{s}-k{k}" for h, s, k in CONFIGS[:3]])
-def test_causal_self_attention_matches_the_reference(heads, shared, top_k, gate_scale):
+def test_causal_self_attention_matches_the_reference(heads, shared, top_k, gate_scale, both_paths):
     m = _module(heads, shared, top_k, gate_scale, self_attention=True)
     x = torch.randn(7, 2, 24, dtype=torch.double)
     future = torch.triu(torch.full((7, 7), float("-inf"), dtype=torch.double), 1)
@@ -133,7 +142,7 @@ def test_causal_self_attention_matches_the_reference(heads, shared, top_k, gate_
     _check(m, x, x, x, key_padding_mask=padding, attn_mask=future)
 
 
-def test_cross_attention_matches_the_reference():
+def test_cross_attention_matches_the_reference(both_paths):
     m = _module(8, 2, 3, kdim=16, vdim=16, encoder_decoder_attention=True)
     query = torch.randn(5, 2, 24, dtype=torch.double)
     memory = torch.randn(9, 2, 16, dtype=torch.double)
@@ -146,7 +155,8 @@ QUERY_NORM = [(8, 2, 3), (4, 1, 1), (6, 0, 2)]  # fewer active heads than routed
 
 
 @pytest.mark.parametrize("heads, shared, top_k", QUERY_NORM, ids=[f"h{h}-s{s}-k{k}" for h, s, k in QUERY_NORM])
-def test_query_norm_router_matches_the_reference_with_padding_causal_masks_and_cross_attention(heads, shared, top_k):
+def test_query_norm_router_matches_the_reference_with_padding_causal_masks_and_cross_attention(heads, shared, top_k,
+                                                                                               both_paths):
     m = _module(heads, shared, top_k, self_attention=True, router="query-norm")
     x = torch.randn(7, 3, 24, dtype=torch.double)
     padding = torch.zeros(3, 7, dtype=torch.bool)
@@ -168,6 +178,7 @@ def test_query_norm_router_matches_the_reference_with_padding_causal_masks_and_c
 
 def test_active_heads_path_equals_computing_every_head():
     m = _module(8, 2, 3, self_attention=True)
+    m.packed_min_tokens = 0
     x = torch.randn(11, 4, 24, dtype=torch.double)
     future = torch.triu(torch.full((11, 11), float("-inf"), dtype=torch.double), 1)
     sparse, sparse_weights = m(x, x, x, attn_mask=future, need_weights=True)
@@ -224,7 +235,7 @@ DIAL = [0, 1, 2, 6]  # the module below trained with K = 3 of 6 routed heads
 
 @pytest.mark.parametrize("gate_scale", ["unit", "softmax"])
 @pytest.mark.parametrize("top_k", DIAL, ids=[f"k{k}" for k in DIAL])
-def test_the_routed_top_k_is_an_inference_dial(top_k, gate_scale):
+def test_the_routed_top_k_is_an_inference_dial(top_k, gate_scale, both_paths):
     """A model trained with K = 3 decodes with K' routed heads (0: the shared heads only): the trained
     weights load unchanged and the output is the equations' at K', the other heads' terms dropped."""
     trained = _module(8, 2, 3, gate_scale, self_attention=True)
