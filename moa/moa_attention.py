@@ -111,35 +111,33 @@ class MixtureOfAttentionHeads(RoutedAttention):
         return self.top_k == self.num_experts or extra < self.dense_overhead_macs * self.num_experts
 
     def _mix_dense(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights):
-        """The same output with every expert's query and output projection as one matmul each: E/k
-        times the routed path's projection FLOPs, none of its per-expert work. The selected experts'
-        queries are gathered for attention (its cost stays with k); the output matmul sees the
-        unselected experts' rows as zeros. With k = E the slots are the experts, in expert order."""
+        """The same output with no per-expert work: every expert's query and output projection as one
+        matmul each, and attention for every expert (E/k times the routed path's FLOPs in both),
+        with the unselected experts' outputs gated by zero. Weights, when asked for, are those of the
+        selected experts, in slot order as on the routed path (in expert order when k = E)."""
         num_tokens, e, d = x.size(0), self.num_experts, self.head_dim
-        q = self.q_experts.fan_out(x)  # (N, E, D)
-        if self.top_k == e:
-            gates = torch.zeros_like(routing.gates).scatter(1, routing.selected, routing.gates)  # (N, E)
-        else:
-            index = routing.selected.unsqueeze(-1).expand(-1, -1, d)  # (N, k, D)
-            q, gates = q.gather(1, index), routing.gates
-        q = q.view(tgt_len, bsz, -1, d).permute(1, 2, 0, 3)
-        o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights)
-        o = (o * gates.view(tgt_len, bsz, -1).permute(1, 2, 0).unsqueeze(-1)).permute(2, 0, 1, 3)
-        o = o.reshape(num_tokens, -1, d)
-        if self.top_k < e:
-            o = o.new_zeros(num_tokens, e, d).scatter(1, index, o)
-        y = self.o_experts.fan_in(o)
+        gates = routing.gates.new_zeros(num_tokens, e).scatter(1, routing.selected, routing.gates)  # (N, E)
+        q = self.q_experts.fan_out(x).view(tgt_len, bsz, e, d).permute(1, 2, 0, 3)  # (B, E, T, D)
+        o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights=True)
+        o = (o * gates.view(tgt_len, bsz, e).permute(1, 2, 0).unsqueeze(-1)).permute(2, 0, 1, 3)
+        y = self.o_experts.fan_in(o.reshape(num_tokens, e, d))
         if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
-            y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
+            y = y + gates @ self.o_experts.bias
+        if weights is not None:  # (E, B, T, S), every expert's
+            if self.top_k < e:  # the selected experts', slot by slot: (k, B, T, S)
+                slots = routing.selected.view(tgt_len, bsz, -1).permute(2, 1, 0)  # (k, B, T)
+                weights = weights.gather(0, slots.unsqueeze(-1).expand(-1, -1, -1, weights.size(-1)))
+            weights = weights if need_head_weights else weights.mean(dim=0)
         return y, weights
 
     def _attend(self, q, keys, values, bias, need_weights: bool, need_head_weights: bool):
-        """Multi-query attention of k query heads over the one shared K/V head.
+        """Multi-query attention of h query heads (k slots, or all E experts) over the one shared K/V head.
 
-        q: (B, k, T, D); keys, values: (B, S, D); bias: additive, broadcastable to
-        (B, 1, T, S), or None. The k heads are folded into the query length, (B, 1, k*T, D),
+        q: (B, h, T, D); keys, values: (B, S, D); bias: additive, broadcastable to
+        (B, 1, T, S), or None. The h heads are folded into the query length, (B, 1, h*T, D),
         so K and V are read as they are, never repeated per head.
-        Returns o (B, k, T, D) and the weights asked for.
+        Returns o (B, h, T, D) and the weights asked for: (h, B, T, S) with ``need_head_weights``,
+        else their mean over the heads (B, T, S).
         """
         bsz, top_k, tgt_len, head_dim = q.shape
         if bias is not None and bias.size(-2) > 1:  # a per-query mask: the same for every head

@@ -17,7 +17,8 @@ unchanged. :meth:`RoutedAttention.forward` is written once, here:
 5. the subclass's :meth:`~RoutedAttention.mix`: the selected experts' or heads' attention and output.
 
 The attention core itself, softmax(q K^T / sqrt(D) + bias) V with dropout, is :meth:`attention_core`
-(torch's fused ``scaled_dot_product_attention`` unless the weights are asked for). Subclasses supply
+(torch's fused ``scaled_dot_product_attention``, except for decoding steps' few queries per head and
+when the weights are asked for). Subclasses supply
 ``_project_key_value``, ``route``, ``mix`` and ``head_outputs`` (every head's or expert's attention and
 output contribution, for ``moa-analyze``). After each forward, ``self.routing`` holds the routing
 decision of the queries (unless ``record_routing`` is off, as in the backward's recomputation under
@@ -28,13 +29,13 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fairseq import utils
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
 from moa.routing import Routing
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+MATMUL_ATTENTION_MAX_QUERIES = 4  # per head; see RoutedAttention.attention_core
 
 
 class RoutedAttention(nn.Module):
@@ -153,17 +154,20 @@ class RoutedAttention(nn.Module):
 
     def attention_core(self, q: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor],
                        need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        """softmax(q K^T * scaling + bias) V, with attention dropout in training.
+        """softmax(q K^T * scaling + bias) V, with attention dropout in training: torch's fused
+        ``scaled_dot_product_attention``, or two matmuls and a softmax for the few queries per head
+        of a decoding step (at most ``MATMUL_ATTENTION_MAX_QUERIES``; measured faster there on CPU)
+        and when the weights are asked for.
 
         q: (B, H, L, D); keys, values: (B, H or 1, S, D); bias: additive, broadcastable to
         (B, H, L, S), or None. Returns o (B, H, L, D) and, with ``need_weights``, the probabilities
         (B, H, L, S) (before dropout)."""
-        if not need_weights:
+        if not need_weights and q.size(-2) > MATMUL_ATTENTION_MAX_QUERIES:
             dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
                                                   scale=self.scaling), None
         probs = attention_probs(q, keys, bias, self.scaling)
-        return torch.matmul(self.dropout_module(probs), values), probs
+        return torch.matmul(self.dropout_module(probs), values), probs if need_weights else None
 
     def record(self, routing) -> None:
         """Keep ``routing`` for the criterion (see :mod:`moa.activation_checkpointing`)."""
@@ -245,12 +249,12 @@ def cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_le
 
 
 def attention_probs(q: Tensor, keys: Tensor, bias: Optional[Tensor], scaling: float) -> Tensor:
-    """softmax(q K^T * scaling + bias) in q's dtype (fairseq's float32 softmax): q (..., L, D),
-    keys (..., S, D) -> (..., L, S)."""
+    """softmax(q K^T * scaling + bias) in q's dtype, the softmax in float32 or wider (as fairseq's for
+    half precision): q (..., L, D), keys (..., S, D) -> (..., L, S)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
     if bias is not None:
         scores = scores + bias
-    return utils.softmax(scores, dim=-1).type_as(scores)
+    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).type_as(scores)
 
 
 def attention_bias(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]:
