@@ -124,11 +124,13 @@ def prepare(pair, workdir, mirror, smoke):
 
 def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200, overrides=None):
     """Forward MACs per target token over the first ``pairs`` validation pairs, teacher-forced, of the
-    method: MoA on its routed path (only the selected experts' projections), whatever the batch size;
-    ``overrides``: model arguments to change, as fairseq-generate's --model-overrides."""
+    method: MoA and MoH on their routed paths (only the selected experts' or heads' projections),
+    whatever the batch size; ``overrides``: model arguments to change, as fairseq-generate's
+    --model-overrides."""
     from fairseq import checkpoint_utils
 
     from moa.moa_attention import MixtureOfAttentionHeads
+    from moa.moh_attention import MixtureOfHeadsAttention
 
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [checkpoint], arg_overrides={"data": os.path.join(data_dir, "data-bin"), **(overrides or {})})
@@ -136,6 +138,8 @@ def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200, overrides=N
     for module in model.modules():
         if isinstance(module, MixtureOfAttentionHeads):
             module.dense_overhead_macs = 0
+        if isinstance(module, MixtureOfHeadsAttention):
+            module.packed_min_tokens = 0
     d = task.source_dictionary
     src_lines = list(read_lines(os.path.join(data_dir, "spm", f"val.{src}")))[:pairs]
     tgt_lines = list(read_lines(os.path.join(data_dir, "spm", f"val.{tgt}")))[:pairs]
