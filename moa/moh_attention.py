@@ -24,7 +24,7 @@ active anyway (K = E) or none is (K = 0: the shared heads alone), with ``compute
 forwards of fewer than ``packed_min_tokens`` queries, and by default (``decode_all_heads``) for
 incremental decoding: with one query per sentence every (sentence, head) group of the packed layout
 holds at most one query, so packing skips no attention work, only the unselected heads' query and
-output projections, and its bookkeeping costs more than those (both measured: docs/speed-and-memory.md).
+output projections, and measured it is no faster (docs/speed-and-memory.md).
 
 ``router="query-norm"`` replaces the learned router with the parameter-free one of converted models
 (:class:`~moa.routing.QueryNormHeadRouter`): it needs every routed head's query to score them, so
