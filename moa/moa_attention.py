@@ -10,7 +10,9 @@ For a query token x_t routed to experts G(x_t) with gate weights w (see
 
 The attention core is multi-query attention with k routed query heads per
 token; the incremental-decoding cache holds the single shared head, (batch,
-length, D). Only the selected experts' projections are computed.
+length, D). On large batches only the selected experts' projections are
+computed; small ones (decoding steps) take a dense path with the same output
+(see :meth:`MixtureOfAttentionHeads.takes_dense_path`).
 
 The module follows fairseq's ``MultiheadAttention`` contract through
 :class:`~moa.routed_attention.RoutedAttention`.
