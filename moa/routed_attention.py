@@ -36,6 +36,7 @@ from moa.routing import Routing
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 MATMUL_ATTENTION_MAX_QUERIES = 4  # per head; see RoutedAttention.attention_core
+PER_SENTENCE = "attn_state_per_sentence"  # the incremental-state buffer of a beam-folded source cache
 
 
 class RoutedAttention(nn.Module):
@@ -55,6 +56,7 @@ class RoutedAttention(nn.Module):
         self.routing: Optional[Routing] = None
         self.record_routing = True
         self.beam_size = 1
+        self._buffer_name = "attn_state"  # PER_SENTENCE while a beam-folded step runs
 
     def forward(
         self,
@@ -78,7 +80,8 @@ class RoutedAttention(nn.Module):
         """
         if before_softmax:
             raise NotImplementedError(f"{type(self).__name__} does not return pre-softmax scores")
-        if self.beam_size > 1 and self.encoder_decoder_attention and incremental_state is not None:
+        if self.encoder_decoder_attention and incremental_state is not None and \
+                self._folds_beams(query, key, incremental_state):
             return self._beamable_forward(query, key, value, key_padding_mask, incremental_state, need_weights,
                                           static_kv, attn_mask, need_head_weights)
         return self._forward(query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
@@ -107,6 +110,21 @@ class RoutedAttention(nn.Module):
         one copy of the source keys and values per sentence instead of one per hypothesis."""
         self.beam_size = beam_size
 
+    def _folds_beams(self, query: Tensor, key: Optional[Tensor], incremental_state) -> bool:
+        """Whether this decoding step folds the beam (:meth:`_beamable_forward`): a beam is set, the rows
+        come in whole beams, and the source cache is per sentence already, or is about to be made from
+        a source whose ``beam`` rows of each sentence are equal (as beam search expands them; a greedy
+        or sampling run on the same model after beam search is not folded)."""
+        beam = self.beam_size
+        if beam <= 1 or query.size(1) % beam:
+            return False
+        if self.get_incremental_state(incremental_state, PER_SENTENCE):
+            return True
+        if self._get_input_buffer(incremental_state) or key is None:
+            return False
+        grouped = key.view(key.size(0), -1, beam, key.size(-1))
+        return torch.equal(grouped, grouped[:, :, :1].expand_as(grouped))
+
     def _beamable_forward(self, query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
                           attn_mask, need_head_weights):
         """Encoder-decoder attention in beam search: the ``beam`` hypotheses of a sentence (rows
@@ -126,8 +144,12 @@ class RoutedAttention(nn.Module):
             key_padding_mask = key_padding_mask.view(bsz, beam, -1)[:, 0]
         if attn_mask is not None:  # (tgt_len, src_len), the same for every hypothesis
             attn_mask = attn_mask.repeat(beam, 1)
-        y, weights = self._forward(folded, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
-                                   attn_mask, need_head_weights)
+        self._buffer_name = PER_SENTENCE
+        try:
+            y, weights = self._forward(folded, key, value, key_padding_mask, incremental_state, need_weights,
+                                       static_kv, attn_mask, need_head_weights)
+        finally:
+            self._buffer_name = "attn_state"
         y = y.view(beam, tgt_len, bsz, dim).permute(1, 2, 0, 3).reshape(tgt_len, rows, dim)
         if weights is not None:  # (..., bsz, beam * tgt_len, src_len) -> (..., rows, tgt_len, src_len)
             weights = weights.reshape(*weights.shape[:-3], rows, tgt_len, weights.size(-1))
@@ -215,25 +237,24 @@ class RoutedAttention(nn.Module):
         """Re-index every cached tensor along the batch dimension (beam search). The per-sentence source
         cache of beamable encoder-decoder attention (:meth:`set_beam_size`) moves only when sentences
         leave the batch, to the sentences of ``new_order``'s beams."""
-        buffer = self._get_input_buffer(incremental_state)
-        if buffer:
-            beam = self.beam_size if self.encoder_decoder_attention else 1
-            for name, cached in buffer.items():
-                if cached is None:
-                    continue
-                if beam > 1 and cached.size(0) * beam == new_order.size(0):
-                    continue  # every hypothesis stays with its sentence
-                order = new_order.view(-1, beam)[:, 0] // beam if beam > 1 else new_order
-                buffer[name] = cached.index_select(0, order)
-            incremental_state = self._set_input_buffer(incremental_state, buffer)
+        for name in ("attn_state", PER_SENTENCE):
+            buffer = self.get_incremental_state(incremental_state, name)
+            if not buffer:
+                continue
+            beam = self.beam_size if name == PER_SENTENCE else 1
+            for key, cached in buffer.items():
+                if cached is None or cached.size(0) * beam == new_order.size(0) != cached.size(0):
+                    continue  # per sentence, and every hypothesis stays with its sentence
+                buffer[key] = cached.index_select(0, new_order.view(-1, beam)[:, 0] // beam if beam > 1 else new_order)
+            incremental_state = self.set_incremental_state(incremental_state, name, buffer)
         return incremental_state
 
     def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
-        result = self.get_incremental_state(incremental_state, "attn_state")
+        result = self.get_incremental_state(incremental_state, self._buffer_name)
         return result if result is not None else {}
 
     def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
-        return self.set_incremental_state(incremental_state, "attn_state", buffer)
+        return self.set_incremental_state(incremental_state, self._buffer_name, buffer)
 
 
 def cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int):

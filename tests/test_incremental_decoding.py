@@ -169,3 +169,15 @@ def test_beam_search_with_per_sentence_source_cache_equals_one_copy_per_hypothes
             lengths.add(len(a["tokens"]))
     assert len(lengths) > 1  # sentences finished at different steps, so the batch shrank on the way
     assert source_rows and max(source_rows) == 6 and min(source_rows) < 6  # per sentence, and fewer later
+
+    # Greedy decoding afterwards (fairseq sets no beam for beam 1, so the modules keep 4): 8 distinct
+    # sentences in 8 rows are not 2 beams of 4, and decode as with no beam set.
+    src = torch.randint(4, 40, (8, 7))
+    greedy_sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((8,), 7)}}
+    greedy = SequenceGenerator([model], model.decoder.dictionary, beam_size=1, max_len_b=12)
+    model.set_beam_size(4)
+    after_beam = greedy.generate([model], greedy_sample)
+    model.set_beam_size(1)
+    plain = greedy.generate([model], greedy_sample)
+    for a, b in zip(after_beam, plain):
+        assert torch.equal(a[0]["tokens"], b[0]["tokens"])
