@@ -36,7 +36,8 @@ from moa.routing import Routing
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 MATMUL_ATTENTION_MAX_QUERIES = 4  # per head; see RoutedAttention.attention_core
-PER_SENTENCE = "attn_state_per_sentence"  # the incremental-state buffer of a beam-folded source cache
+ATTN_STATE = "attn_state"  # the incremental-state buffer of the key/value cache
+PER_SENTENCE = "attn_state_per_sentence"  # ... and of a beam-folded source cache
 
 
 class RoutedAttention(nn.Module):
@@ -56,7 +57,6 @@ class RoutedAttention(nn.Module):
         self.routing: Optional[Routing] = None
         self.record_routing = True
         self.beam_size = 1
-        self._buffer_name = "attn_state"  # PER_SENTENCE while a beam-folded step runs
 
     def forward(
         self,
@@ -88,12 +88,12 @@ class RoutedAttention(nn.Module):
                              attn_mask, need_head_weights)
 
     def _forward(self, query, key, value, key_padding_mask, incremental_state, need_weights, static_kv, attn_mask,
-                 need_head_weights):
+                 need_head_weights, buffer=ATTN_STATE):
         tgt_len, bsz, embed_dim = query.shape
         if embed_dim != self.embed_dim:
             raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
         keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
-                                                               static_kv)
+                                                               static_kv, buffer)
         x = query.reshape(tgt_len * bsz, embed_dim)
         decoding = incremental_state is not None
         routing, routed_queries = self.route(x, self.flat_query_padding(key_padding_mask, incremental_state,
@@ -133,9 +133,7 @@ class RoutedAttention(nn.Module):
         The output is the unfolded ``_forward``'s, for every query token."""
         beam = self.beam_size
         tgt_len, rows, dim = query.shape
-        if rows % beam:
-            raise ValueError(f"beam search with beam {beam} passed {rows} hypotheses, not a multiple of the beam")
-        bsz = rows // beam
+        bsz = rows // beam  # whole beams: see _folds_beams
         folded = query.view(tgt_len, bsz, beam, dim).permute(2, 0, 1, 3).reshape(beam * tgt_len, bsz, dim)
         if key is not None and key.size(1) == rows:  # the first step: one copy of each sentence's source
             key = key.view(key.size(0), bsz, beam, -1)[:, :, 0]
@@ -144,12 +142,8 @@ class RoutedAttention(nn.Module):
             key_padding_mask = key_padding_mask.view(bsz, beam, -1)[:, 0]
         if attn_mask is not None:  # (tgt_len, src_len), the same for every hypothesis
             attn_mask = attn_mask.repeat(beam, 1)
-        self._buffer_name = PER_SENTENCE
-        try:
-            y, weights = self._forward(folded, key, value, key_padding_mask, incremental_state, need_weights,
-                                       static_kv, attn_mask, need_head_weights)
-        finally:
-            self._buffer_name = "attn_state"
+        y, weights = self._forward(folded, key, value, key_padding_mask, incremental_state, need_weights,
+                                   static_kv, attn_mask, need_head_weights, buffer=PER_SENTENCE)
         y = y.view(beam, tgt_len, bsz, dim).permute(1, 2, 0, 3).reshape(tgt_len, rows, dim)
         if weights is not None:  # (..., bsz, beam * tgt_len, src_len) -> (..., rows, tgt_len, src_len)
             weights = weights.reshape(*weights.shape[:-3], rows, tgt_len, weights.size(-1))
@@ -197,13 +191,16 @@ class RoutedAttention(nn.Module):
             self.routing = routing
 
     def cached_key_value(self, key: Optional[Tensor], value: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                         incremental_state: IncrementalState, static_kv: bool):
-        """The subclass's ``_project_key_value(key, value)`` -> (keys, values), through the incremental cache.
+                         incremental_state: IncrementalState, static_kv: bool, buffer: str = ATTN_STATE):
+        """The subclass's ``_project_key_value(key, value)`` -> (keys, values), through the incremental cache
+        (its ``buffer``: ATTN_STATE, or PER_SENTENCE for a beam-folded source).
 
         key/value: (src_len, batch, dim). Returns keys, values in the subclass's layout (time on
         ``time_dim``) and the key padding mask (batch, len) that goes with them.
         """
-        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
+        saved = None
+        if incremental_state is not None:
+            saved = self.get_incremental_state(incremental_state, buffer) or {}
         if static_kv and saved is not None and "prev_key" in saved:
             return saved["prev_key"], saved["prev_value"], key_padding_mask
         if key is None or value is None:
@@ -219,7 +216,7 @@ class RoutedAttention(nn.Module):
             saved["prev_key"], saved["prev_value"] = keys, values
             if not static_kv:
                 saved["prev_key_padding_mask"] = key_padding_mask
-            self._set_input_buffer(incremental_state, saved)
+            self.set_incremental_state(incremental_state, buffer, saved)
         return keys, values, key_padding_mask
 
     def flat_query_padding(self, key_padding_mask, incremental_state, tgt_len, bsz) -> Optional[Tensor]:
@@ -237,7 +234,7 @@ class RoutedAttention(nn.Module):
         """Re-index every cached tensor along the batch dimension (beam search). The per-sentence source
         cache of beamable encoder-decoder attention (:meth:`set_beam_size`) moves only when sentences
         leave the batch, to the sentences of ``new_order``'s beams."""
-        for name in ("attn_state", PER_SENTENCE):
+        for name in (ATTN_STATE, PER_SENTENCE):
             buffer = self.get_incremental_state(incremental_state, name)
             if not buffer:
                 continue
@@ -250,11 +247,11 @@ class RoutedAttention(nn.Module):
         return incremental_state
 
     def _get_input_buffer(self, incremental_state: IncrementalState) -> Dict[str, Optional[Tensor]]:
-        result = self.get_incremental_state(incremental_state, self._buffer_name)
+        result = self.get_incremental_state(incremental_state, ATTN_STATE)
         return result if result is not None else {}
 
     def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
-        return self.set_incremental_state(incremental_state, self._buffer_name, buffer)
+        return self.set_incremental_state(incremental_state, ATTN_STATE, buffer)
 
 
 def cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int):
