@@ -24,8 +24,8 @@ import logging
 import os
 import sys
 
+from moa.atomic_files import atomic_copy, fsync_file
 from moa.checkpoint_safety import checkpoint_damage, newest_complete_checkpoint
-from moa_tools.textio import atomic_copy, fsync_file
 
 logger = logging.getLogger(__name__)
 

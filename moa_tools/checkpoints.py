@@ -77,7 +77,7 @@ def save_atomically(state: dict, path: str) -> None:
     kill at any moment leaves the old file or the new one, never part of one."""
     import torch
 
-    from moa_tools.textio import atomic_file
+    from moa.atomic_files import atomic_file
 
     with atomic_file(path) as temporary:
         torch.save(state, temporary)

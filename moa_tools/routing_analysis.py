@@ -163,6 +163,25 @@ head_outputs.register(MultiheadAttention, multihead_outputs)
 head_outputs.register(RoutedAttention, lambda module, *args: module.head_outputs(*args))
 
 
+class evaluation_batches:
+    """The batches of one pass over ``dataset``, in fairseq's order (``task.get_batch_iterator``, no
+    shuffling), collated in this process. fairseq's iterator would load them through a DataLoader built
+    with ``pin_memory=True`` whatever the device, which torch warns about where no accelerator is; an
+    evaluation pass needs neither workers nor pinned memory."""
+
+    def __init__(self, task, dataset, max_tokens: int):
+        self.dataset = dataset
+        self.batches = task.get_batch_iterator(dataset, max_tokens=max_tokens,
+                                               required_batch_size_multiple=1).frozen_batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for indices in self.batches:
+            yield self.dataset.collater([self.dataset[i] for i in indices])
+
+
 def analyze(checkpoint: str, data_bin: str, subset: str, max_tokens: int = 4096, label: str = "",
             progress: bool = True) -> dict:
     """Run ``checkpoint`` teacher-forced over ``subset`` of ``data_bin`` and measure it: a dict with
@@ -200,10 +219,10 @@ def analyze(checkpoint: str, data_bin: str, subset: str, max_tokens: int = 4096,
         hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     modules: Dict[str, ModuleRouting] = {}
-    batches = task.get_batch_iterator(task.dataset(subset), max_tokens=max_tokens,
-                                      required_batch_size_multiple=1).next_epoch_itr(shuffle=False)
+    batches = evaluation_batches(task, task.dataset(subset), max_tokens)
     try:
-        for sample in tqdm(batches, desc=label or checkpoint, unit="batch", file=sys.stderr, disable=not progress):
+        for sample in tqdm(batches, total=len(batches), desc=label or checkpoint, unit="batch", file=sys.stderr,
+                           disable=not progress):
             net_input = sample["net_input"]
             tokens = {"encoder": net_input["src_tokens"], "decoder": net_input.get("prev_output_tokens")}
             keep["encoder"] = tokens["encoder"].ne(source.pad())

@@ -8,10 +8,10 @@ removed.
 """
 
 import os
-import shutil
 from contextlib import ExitStack, contextmanager
 from typing import IO, Iterable, Iterator, List
 
+from moa.atomic_files import fsync_file
 from moa_tools import ToolError
 
 
@@ -58,34 +58,6 @@ def atomic_text_outputs(*paths: str) -> Iterator[List[IO[str]]]:
         raise
     for temp, path in zip(temps, paths):
         os.replace(temp, path)
-
-
-def fsync_file(path: str) -> None:
-    """Flush a written file's data to the disk, so that renaming it into place publishes whole data
-    even after a crash of the machine."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-@contextmanager
-def atomic_file(path: str) -> Iterator[str]:
-    """Yield ``path.tmp`` to write; when the block finishes, flush it to disk and rename it to ``path``.
-    If the block raises, the temporary file is removed and ``path`` is left as it was."""
-    temporary = path + ".tmp"
-    try:
-        yield temporary
-        fsync_file(temporary)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
-    os.replace(temporary, path)
-
-
-def atomic_copy(src: str, dst: str) -> None:
-    """Copy ``src`` to ``dst`` so that ``dst`` is always either its old content or the whole copy."""
-    with atomic_file(dst) as temporary:
-        shutil.copyfile(src, temporary)
 
 
 def write_lines_atomically(path: str, lines: Iterable[str]) -> int:
