@@ -1,6 +1,6 @@
 """Every change the plugin makes to fairseq (and to torch's loader), in one place.
 
-fairseq 0.12 has no hooks for what follows, so the plugin replaces seven of its attributes when it is
+fairseq 0.12 has no hooks for what follows, so the plugin replaces nine of its attributes when it is
 imported, each by a function or class that wraps fairseq's own:
 
 ========================================================  ==========================================
@@ -24,9 +24,13 @@ replaced                                                  why
 ``fairseq.checkpoint_utils.load_checkpoint``              a damaged checkpoint_last.pt resumes from
                                                           the newest complete one; a finished run
                                                           stays finished
+``fairseq.data.token_block_dataset.np``,                  numpy 2 has no ``np.compat.long``, which
+``fairseq.data.language_pair_dataset.np``                 these two modules name (fairseq-interactive
+                                                          on a language model failed): their numpy
+                                                          gains it, numpy itself is left alone
 ========================================================  ==========================================
 
-:mod:`moa.crash_safe_training` explains the last three.
+:mod:`moa.crash_safe_training` explains the checkpoint and batch patches.
 
 It also registers with torch's weights-only unpickler exactly the classes fairseq checkpoints hold
 (:func:`~moa.checkpoint_safety.fairseq_checkpoint_globals`), and undoes a side effect of importing
@@ -40,6 +44,7 @@ replacement at debug level.
 import importlib
 import logging
 import sys
+import types
 from typing import Callable, NamedTuple
 
 logger = logging.getLogger(__name__)
@@ -72,7 +77,30 @@ def _patches():
               "checkpoint copies are atomic and flushed"),
         Patch("fairseq.checkpoint_utils", "load_checkpoint", crash_safe_training.resuming_past_damage,
               "a damaged checkpoint_last.pt resumes from the newest complete one; a finished run stays finished"),
+        Patch("fairseq.data.token_block_dataset", "np", numpy_with_compat_long,
+              "numpy 2 dropped np.compat.long, which fairseq-interactive's language-model path names"),
+        Patch("fairseq.data.language_pair_dataset", "np", numpy_with_compat_long,
+              "numpy 2 dropped np.compat.long, which this module names"),
     ]
+
+
+class _NumpyWithCompatLong(types.ModuleType):
+    """numpy as a fairseq module sees it: every attribute numpy's, plus ``compat.long`` (int64)."""
+
+    def __init__(self, numpy):
+        super().__init__(numpy.__name__)
+        self._numpy = numpy
+        self.compat = types.SimpleNamespace(long=numpy.int64)
+
+    def __getattr__(self, name):
+        return getattr(self._numpy, name)
+
+
+def numpy_with_compat_long(numpy):
+    """numpy itself where it still has ``np.compat`` (numpy 1), else :class:`_NumpyWithCompatLong`."""
+    if hasattr(numpy, "compat") or isinstance(numpy, _NumpyWithCompatLong):
+        return numpy
+    return _NumpyWithCompatLong(numpy)
 
 
 def apply() -> None:

@@ -161,6 +161,9 @@ class MixtureOfAttentionHeads(RoutedAttention):
         attention = attention_probs(q, k, attention_bias(attn_mask, key_padding_mask, q.dtype), self.scaling)
         return attention, torch.matmul(torch.matmul(attention, v), self.o_experts.weight[None])
 
+    def active_heads(self):
+        return "MoA", self.top_k, self.num_experts
+
     def _project_key_value(self, key: Tensor, value: Tensor):
         """The one shared K/V head: (src_len, batch, dim) -> (batch, src_len, D) each."""
         return self.k_proj(key).transpose(0, 1), self.v_proj(value).transpose(0, 1)

@@ -202,6 +202,9 @@ class MixtureOfHeadsAttention(RoutedAttention):
         """Every head's attention and ``A_i V_i W_O^i``, ungated (see the base)."""
         return multihead_outputs(self, query, key, key_padding_mask, attn_mask)
 
+    def active_heads(self):
+        return "MoH", self.shared_heads + self.top_k, self.num_heads
+
     def _project_key_value(self, key: Tensor, value: Tensor):
         """The computed heads' keys and values: (src_len, batch, dim) -> (batch, heads, src_len, D) each."""
         src_len, bsz = key.shape[:2]

@@ -161,6 +161,10 @@ class RoutedAttention(nn.Module):
         """The routed attention proper: (N, embed_dim) output and the weights asked for."""
         raise NotImplementedError
 
+    def active_heads(self) -> Tuple[str, int, int]:
+        """(family, active, total): the experts (MoA) or heads (MoH) a token uses, of all of them."""
+        raise NotImplementedError
+
     def head_outputs(self, query: Tensor, key: Tensor, key_padding_mask: Optional[Tensor] = None,
                      attn_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """(A, O): every head's (MoA: every expert's) attention probabilities (B, H, T, S) and its

@@ -1,4 +1,5 @@
-"""Turning a trained fairseq ``transformer`` or ``roberta`` checkpoint into MoH (MoH paper, Sec. 4).
+"""Turning a trained fairseq ``transformer``, ``transformer_lm`` or ``roberta`` checkpoint into MoH
+(MoH paper, Sec. 4; a language model is the paper's own case, MoH-LLaMA3).
 
 Every attention module of the model becomes :class:`~moa.moh_attention.MixtureOfHeadsAttention`
 over its own heads: the first ``shared_heads`` always active (as the paper converts LLaMA3) and
@@ -24,14 +25,18 @@ from moa_tools import ToolError
 
 #: fairseq model -> (MoH arch that continues it, its attention types)
 SOURCES = {"transformer": ("moh_transformer", ("encoder-self", "decoder-self", "decoder-cross")),
+           "transformer_lm": ("moh_lm", ("decoder-self",)),
            "roberta": ("moh_roberta", ("encoder-self",))}
 ROUTERS = ("query-norm", "learned")
 
 
 def model_args(state: dict, path: str) -> argparse.Namespace:
-    """The model's argparse namespace in a fairseq checkpoint (``cfg.model``, or ``args`` of old ones)."""
+    """The model's argparse namespace in a fairseq checkpoint (``cfg.model``, or ``args`` of old ones);
+    a model with a dataclass config (``transformer_lm``) stores a dict, named by its ``_name``."""
     cfg = state.get("cfg")
     args = cfg.get("model") if isinstance(cfg, dict) else None
+    if isinstance(args, dict) and args.get("_name"):
+        args = argparse.Namespace(**{k: v for k, v in args.items() if k != "_name"}, arch=args["_name"])
     args = args if isinstance(args, argparse.Namespace) else state.get("args")
     if not isinstance(args, argparse.Namespace) or not getattr(args, "arch", None):
         raise ToolError(f"{path} names no fairseq model arch (no cfg.model or args): it was not written by "
@@ -55,6 +60,8 @@ def source_model(args: argparse.Namespace, path: str) -> str:
 
 def attention_shapes(args: argparse.Namespace, model: str) -> dict:
     """attention type -> (d_model of its queries, heads), for the types the model has."""
+    if model == "transformer_lm":
+        return {"decoder-self": (args.decoder_embed_dim, args.decoder_attention_heads)}
     shapes = {"encoder-self": (args.encoder_embed_dim, args.encoder_attention_heads)}
     if model == "transformer":
         shapes["decoder-self"] = (args.decoder_embed_dim, args.decoder_attention_heads)
@@ -94,6 +101,12 @@ def build_converted(new_args: argparse.Namespace, weights: dict, model: str, pat
     if model == "roberta":
         source = dictionary_of_size(_embedding_rows(weights, "encoder.sentence_encoder.embed_tokens.weight", path))
         target = source
+    elif model == "transformer_lm":
+        if getattr(new_args, "adaptive_input", False) or getattr(new_args, "character_embeddings", False):
+            raise ToolError(f"{path}: a language model with adaptive input or character embeddings has no plain "
+                            "embedding table to size its dictionary by; moa-convert-moh converts LMs with "
+                            "token embeddings (decoder.embed_tokens)")
+        source = target = dictionary_of_size(_embedding_rows(weights, "decoder.embed_tokens.weight", path))
     else:
         source = dictionary_of_size(_embedding_rows(weights, "encoder.embed_tokens.weight", path))
         target_rows = _embedding_rows(weights, "decoder.embed_tokens.weight", path)
@@ -105,7 +118,7 @@ def build_converted(new_args: argparse.Namespace, weights: dict, model: str, pat
 
 
 def convert(state: dict, shared_heads: int, top_k: int, router: str, path: str = "the checkpoint"):
-    """The MoH checkpoint of a fairseq transformer/roberta checkpoint ``state`` (not modified) and a
+    """The MoH checkpoint of a fairseq transformer/transformer_lm/roberta checkpoint ``state`` (not modified) and a
     one-line summary. The model is built and loaded strictly before anything is returned."""
     import torch
 
@@ -138,7 +151,7 @@ def convert(state: dict, shared_heads: int, top_k: int, router: str, path: str =
     moh.load_state_dict(converted, strict=True)
 
     new_state = dict(state, model=converted, last_optimizer_state=None)
-    if isinstance(state.get("cfg"), dict) and isinstance(state["cfg"].get("model"), argparse.Namespace):
+    if isinstance(state.get("cfg"), dict) and isinstance(state["cfg"].get("model"), (argparse.Namespace, dict)):
         new_state["cfg"] = dict(state["cfg"], model=new_args)
     else:
         new_state["args"] = new_args

@@ -114,3 +114,22 @@ def reduce_routing_metrics(logging_outputs) -> None:
         if key == AUX_LOSS:
             total /= math.log(2)
         metrics.log_scalar(key, total, sample_size, round=4)
+
+
+class RoutingLosses:
+    """Mixed in before a fairseq criterion: its loss plus the routers' auxiliary terms of the forward
+    it ran (:func:`routing_terms`, configured by ``self.routing_cfg``), and their figures reduced
+    beside fairseq's."""
+
+    routing_cfg: RoutingLossConfig
+
+    def forward(self, model, sample, reduce=True):
+        pop_named_routings(model)  # drop anything recorded outside this criterion
+        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
+        aux = routing_terms(model, sample_size, self.routing_cfg, logging_output)
+        return (loss + aux if reduce else loss), sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        reduce_routing_metrics(logging_outputs)

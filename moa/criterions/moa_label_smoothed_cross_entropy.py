@@ -8,8 +8,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from moa.criterions.aux_loss import RoutingLossConfig, reduce_routing_metrics, routing_terms
-from moa.models.routed_transformer import pop_named_routings
+from moa.criterions.aux_loss import RoutingLossConfig, RoutingLosses
 
 
 @dataclass
@@ -18,7 +17,7 @@ class MoALabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCrite
 
 
 @register_criterion("moa_label_smoothed_cross_entropy", dataclass=MoALabelSmoothedCrossEntropyCriterionConfig)
-class MoALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+class MoALabelSmoothedCrossEntropyCriterion(RoutingLosses, LabelSmoothedCrossEntropyCriterion):
     """Optimises label-smoothed CE + the routers' auxiliary losses (:mod:`moa.criterions.aux_loss`), per target token.
 
     The logged ``loss`` and ``nll_loss`` (base 2) and ``ppl`` stay fairseq's pure translation
@@ -33,14 +32,3 @@ class MoALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         self.routing_cfg = RoutingLossConfig(moa_alpha=moa_alpha, moa_beta=moa_beta,
                                              moa_aux_loss_scale=moa_aux_loss_scale, moh_beta=moh_beta,
                                              log_routing_by_module=log_routing_by_module)
-
-    def forward(self, model, sample, reduce=True):
-        pop_named_routings(model)  # drop anything recorded outside this criterion
-        loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
-        aux = routing_terms(model, sample_size, self.routing_cfg, logging_output)
-        return (loss + aux if reduce else loss), sample_size, logging_output
-
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        reduce_routing_metrics(logging_outputs)

@@ -23,8 +23,9 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 
 from moa.moa_attention import MixtureOfAttentionHeads
-from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, parse_attention_types,
-                                           routed_layer_config, small_translation_shape)
+from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, layer_top_k, parse_attention_types,
+                                           parse_per_layer, routed_layer_config, routed_layer_counts,
+                                           small_translation_shape)
 from moa.routing import GATE_WEIGHTS, ROUTER_INITS
 
 RELEASED_CODE = {"moa_gate_weights": "raw", "moa_router_init": "zeros", "moa_aux_loss_scale": "per-batch"}
@@ -35,6 +36,9 @@ def add_moa_args(parser):
     """The MoA command-line flags shared by every MoA model."""
     parser.add_argument("--moa-experts", type=int, metavar="E", help="attention experts per MoA module")
     parser.add_argument("--moa-top-k", type=int, metavar="K", help="experts selected per token")
+    parser.add_argument("--moa-top-k-per-layer", type=str, metavar="LIST",
+                        help="experts selected per token in each layer, comma-separated, one per layer (e.g. "
+                             "2,2,4,4: fewer in shallow layers); replaces --moa-top-k in every MoA layer")
     parser.add_argument("--moa-head-dim", type=int, metavar="D", help="width of each expert head and of the shared K/V head")
     parser.add_argument("--moa-gate-weights", choices=GATE_WEIGHTS,
                         help="renormalized: p / detach(sum of the selected p), as in the paper (default); "
@@ -56,10 +60,13 @@ def add_moa_args(parser):
 
 def check_moa_args(args) -> None:
     """Refuse MoA flags that cannot build a model, naming the flag to change."""
-    parse_attention_types(args.moa_attention_types, "--moa-attention-types")
-    if not 1 <= args.moa_top_k <= args.moa_experts:
-        raise ValueError(f"--moa-top-k {args.moa_top_k} with --moa-experts {args.moa_experts}: "
-                         "MoA selects between 1 and --moa-experts experts per token")
+    types = parse_attention_types(args.moa_attention_types, "--moa-attention-types")
+    per_layer = parse_per_layer(getattr(args, "moa_top_k_per_layer", None), "--moa-top-k-per-layer",
+                                routed_layer_counts(args, types))
+    for flag, k in [("--moa-top-k", args.moa_top_k)] + [("--moa-top-k-per-layer", k) for k in per_layer or ()]:
+        if not 1 <= k <= args.moa_experts:
+            raise ValueError(f"{flag} {k} with --moa-experts {args.moa_experts}: "
+                             "MoA selects between 1 and --moa-experts experts per token")
     if args.moa_head_dim < 1:
         raise ValueError(f"--moa-head-dim {args.moa_head_dim}: each expert's head needs a width of at least 1 "
                          "(the paper's D, e.g. 64 or 128)")
@@ -67,15 +74,17 @@ def check_moa_args(args) -> None:
 
 def moa_layer_config(args):
     """fairseq's layer config for ``args``, building MoA in the attention types that use it."""
-    return routed_layer_config(args, parse_attention_types(args.moa_attention_types, "--moa-attention-types"),
-                               build_moa_attention)
+    types = parse_attention_types(args.moa_attention_types, "--moa-attention-types")
+    per_layer = parse_per_layer(getattr(args, "moa_top_k_per_layer", None), "--moa-top-k-per-layer",
+                                routed_layer_counts(args, types))
+    return routed_layer_config(args, types, build_moa_attention, per_layer)
 
 
 def build_moa_attention(cfg, embed_dim, kind, kdim=None):
     return MixtureOfAttentionHeads(
         embed_dim,
         num_experts=cfg.moa_experts,
-        top_k=cfg.moa_top_k,
+        top_k=layer_top_k(cfg, cfg.moa_top_k),
         head_dim=cfg.moa_head_dim,
         kdim=kdim,
         vdim=kdim,
@@ -118,6 +127,7 @@ def set_moa_defaults(args, experts, top_k, head_dim):
             setattr(args, name, value)
     args.moa_attention_types = getattr(args, "moa_attention_types", ",".join(ATTENTION_TYPES))
     args.moa_attention_bias = getattr(args, "moa_attention_bias", False)
+    args.moa_top_k_per_layer = getattr(args, "moa_top_k_per_layer", None)
 
 
 @register_model_architecture("moa_transformer", "moa_transformer")

@@ -16,8 +16,9 @@ Archs:
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 
-from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, parse_attention_types,
-                                           routed_layer_config, small_translation_shape)
+from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, layer_top_k, parse_attention_types,
+                                           parse_per_layer, routed_layer_config, routed_layer_counts,
+                                           small_translation_shape)
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES, HEAD_ROUTERS, check_head_counts
 
@@ -27,6 +28,10 @@ def add_moh_args(parser):
     parser.add_argument("--moh-shared-heads", type=int, metavar="H_S",
                         help="heads always active (the first H_S of each module)")
     parser.add_argument("--moh-top-k", type=int, metavar="K", help="routed heads selected per token, of the rest")
+    parser.add_argument("--moh-top-k-per-layer", type=str, metavar="LIST",
+                        help="routed heads selected per token in each layer, comma-separated, one per layer (e.g. "
+                             "1,1,2,2: fewer active heads in shallow layers, as the paper does); replaces "
+                             "--moh-top-k in every MoH layer")
     parser.add_argument("--moh-gate-scale", choices=HEAD_GATE_SCALES,
                         help="softmax: the paper's equations, alpha * softmax (default); unit: the released code's "
                              "scaling, 1 for every active head under uniform routers")
@@ -45,14 +50,19 @@ def check_moh_args(args, heads: dict) -> None:
     """Refuse MoH flags that cannot build a model, naming the flag to change. ``heads``: the
     attention heads of each routed attention type."""
     types = parse_attention_types(args.moh_attention_types, "--moh-attention-types")
+    per_layer = parse_per_layer(getattr(args, "moh_top_k_per_layer", None), "--moh-top-k-per-layer",
+                                routed_layer_counts(args, types))
+    flags = [("--moh-top-k", args.moh_top_k)] if per_layer is None else \
+        [("--moh-top-k-per-layer", k) for k in per_layer]
     for kind in sorted(types):
-        h, h_s, k = heads[kind], args.moh_shared_heads, args.moh_top_k
-        try:
-            check_head_counts(h, h_s, k)
-        except ValueError:
-            raise ValueError(f"--moh-shared-heads {h_s} --moh-top-k {k} do not fit the {h} heads of {kind} "
-                             f"attention: MoH needs 0 <= H_S <= heads and 0 <= K <= heads - H_S, with at least "
-                             f"one head active (K = 0, the shared heads only, is an inference setting)") from None
+        for flag, k in flags:
+            h, h_s = heads[kind], args.moh_shared_heads
+            try:
+                check_head_counts(h, h_s, k)
+            except ValueError:
+                raise ValueError(f"--moh-shared-heads {h_s} {flag} {k} do not fit the {h} heads of {kind} "
+                                 f"attention: MoH needs 0 <= H_S <= heads and 0 <= K <= heads - H_S, with at least "
+                                 f"one head active (K = 0, the shared heads only, is an inference setting)") from None
 
 
 def build_moh_attention(cfg, embed_dim, kind, kdim=None):
@@ -60,7 +70,7 @@ def build_moh_attention(cfg, embed_dim, kind, kdim=None):
         embed_dim,
         num_heads=cfg.encoder.attention_heads if kind == "encoder-self" else cfg.decoder.attention_heads,
         shared_heads=cfg.moh_shared_heads,
-        top_k=cfg.moh_top_k,
+        top_k=layer_top_k(cfg, cfg.moh_top_k),
         kdim=kdim,
         vdim=kdim,
         dropout=cfg.attention_dropout,
@@ -74,8 +84,10 @@ def build_moh_attention(cfg, embed_dim, kind, kdim=None):
 
 def moh_layer_config(args):
     """fairseq's layer config for ``args``, building MoH in the attention types that use it."""
-    return routed_layer_config(args, parse_attention_types(args.moh_attention_types, "--moh-attention-types"),
-                               build_moh_attention)
+    types = parse_attention_types(args.moh_attention_types, "--moh-attention-types")
+    per_layer = parse_per_layer(getattr(args, "moh_top_k_per_layer", None), "--moh-top-k-per-layer",
+                                routed_layer_counts(args, types))
+    return routed_layer_config(args, types, build_moh_attention, per_layer)
 
 
 @register_model("moh_transformer")
@@ -105,6 +117,7 @@ def set_moh_defaults(args, shared_heads, top_k):
     args.moh_balance_loss = getattr(args, "moh_balance_loss", "paper")
     args.moh_router = getattr(args, "moh_router", "learned")
     args.moh_attention_types = getattr(args, "moh_attention_types", ",".join(ATTENTION_TYPES))
+    args.moh_top_k_per_layer = getattr(args, "moh_top_k_per_layer", None)
 
 
 @register_model_architecture("moh_transformer", "moh_transformer")

@@ -11,7 +11,7 @@ criterion: :func:`pop_named_routings`.
 """
 
 import re
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerEncoderBase, TransformerModel
@@ -46,13 +46,53 @@ def attention_site(module_name: str) -> Tuple[str, int]:
     return f"{side}-{kind}", int(match.group(1))
 
 
-def routed_layer_config(args, types: frozenset, build_attention: Callable) -> TransformerConfig:
+def routed_layer_config(args, types: frozenset, build_attention: Callable,
+                        top_k_per_layer: Optional[List[int]] = None) -> TransformerConfig:
     """fairseq's layer config for ``args`` with ``routed_types`` and ``build_routed_attention(cfg,
-    embed_dim, kind, kdim=None)``, ``kind`` one of :data:`ATTENTION_TYPES`."""
+    embed_dim, kind, kdim=None)``, ``kind`` one of :data:`ATTENTION_TYPES`; ``top_k_per_layer``:
+    the experts or heads each layer routes to (:func:`layer_top_k`), or None for the same everywhere.
+    While a stack builds its layers, ``cfg.routed_layer`` is the index of the layer being built."""
     cfg = TransformerConfig.from_namespace(args)
     cfg.routed_types = types
     cfg.build_routed_attention = build_attention
+    cfg.top_k_per_layer = top_k_per_layer
+    cfg.routed_layer = 0
     return cfg
+
+
+def parse_per_layer(value, flag: str, layers: Dict[str, int]) -> Optional[List[int]]:
+    """The integers of a per-layer flag (comma-separated, one per layer), or None when it is not given.
+    ``layers``: the layer count of each attention type that routes; every one must match."""
+    if value is None or str(value).strip() == "":
+        return None
+    try:
+        values = [int(v) for v in str(value).split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {value!r}: give one integer per layer, comma-separated (e.g. 1,1,2,2)") from None
+    for kind, count in sorted(layers.items()):
+        if len(values) != count:
+            raise ValueError(f"{flag} {value}: {len(values)} values, but {kind} attention has {count} layers; "
+                             f"give one value per layer")
+    return values
+
+
+def routed_layer_counts(args, types) -> Dict[str, int]:
+    """The layer count of each routed attention type: the encoder's for encoder-self, the decoder's for
+    the decoder's types."""
+    return {kind: args.encoder_layers if kind == "encoder-self" else args.decoder_layers for kind in types}
+
+
+def layer_top_k(cfg, default: int) -> int:
+    """The top-k of the layer being built: its entry of ``cfg.top_k_per_layer``, else ``default``."""
+    per_layer = getattr(cfg, "top_k_per_layer", None)
+    return default if per_layer is None else per_layer[cfg.routed_layer]
+
+
+def next_layer(stack, cfg) -> None:
+    """Set ``cfg.routed_layer`` to the index of the next layer ``stack`` builds (fairseq builds them
+    in order, before the stack's layer list holds any)."""
+    cfg.routed_layer = getattr(stack, "_routed_layers_built", 0)
+    stack._routed_layers_built = cfg.routed_layer + 1
 
 
 def wrap_layer(layer, cfg):
@@ -99,6 +139,7 @@ class RoutedTransformerDecoderLayer(TransformerDecoderLayerBase):
 
 class RoutedTransformerEncoder(TransformerEncoderBase):
     def build_encoder_layer(self, cfg):
+        next_layer(self, cfg)
         return wrap_layer(RoutedTransformerEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
 
@@ -106,6 +147,7 @@ class RoutedTransformerDecoder(TransformerDecoderBase):
     """fairseq's decoder, telling its routed cross-attention modules which target positions are padding."""
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        next_layer(self, cfg)
         return wrap_layer(RoutedTransformerDecoderLayer(cfg, no_encoder_attn), cfg)
 
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **kwargs):
@@ -152,6 +194,23 @@ class RoutedModel:
         for module in self.modules():
             if isinstance(module, RoutedAttention) and module.encoder_decoder_attention:
                 module.set_beam_size(beam_size)
+
+    def active_share(self) -> Dict[str, Tuple[int, int]]:
+        """family ("MoA", "MoH") -> (active, total) summed over its routed modules: the experts each
+        token uses of all experts (MoA), or the heads active per token of all heads (MoH)."""
+        shares: Dict[str, Tuple[int, int]] = {}
+        for module in self.modules():
+            if isinstance(module, RoutedAttention):
+                family, active, total = module.active_heads()
+                a, t = shares.get(family, (0, 0))
+                shares[family] = (a + active, t + total)
+        return shares
+
+    def describe_active_share(self) -> str:
+        """One line for the model summary, e.g. ``MoH: 12 of 16 heads active per token (75.0%)``."""
+        unit = {"MoA": "experts", "MoH": "heads"}
+        return "; ".join(f"{family}: {a} of {t} {unit.get(family, 'heads')} active per token ({a / t:.1%})"
+                         for family, (a, t) in sorted(self.active_share().items()))
 
     def pop_routings(self) -> List[Routing]:
         """The :class:`~moa.routing.Routing` of every routed module since the last call, clearing them."""

@@ -1,4 +1,4 @@
-"""``moa-convert-moh``: turn a trained fairseq Transformer or RoBERTa into MoH (MoH paper, Sec. 4).
+"""``moa-convert-moh``: turn a trained fairseq Transformer, Transformer LM or RoBERTa into MoH (MoH paper, Sec. 4).
 
     moa-convert-moh CHECKPOINT --shared-heads H_S --top-k K --router {query-norm,learned} --out FILE
 
@@ -25,7 +25,7 @@ from moa_tools.moh_conversion import ROUTERS, continue_flags, convert
 def _main(argv) -> int:
     parser = argparse.ArgumentParser(prog="moa-convert-moh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a fairseq-train checkpoint of a transformer or roberta arch")
+    parser.add_argument("checkpoint", help="a fairseq-train checkpoint of a transformer, transformer_lm or roberta arch")
     parser.add_argument("--shared-heads", type=int, required=True, metavar="H_S", help="heads always active")
     parser.add_argument("--top-k", type=int, required=True, metavar="K", help="routed heads per token, of the rest")
     parser.add_argument("--router", choices=ROUTERS, required=True)
