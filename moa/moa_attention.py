@@ -114,22 +114,27 @@ class MixtureOfAttentionHeads(RoutedAttention):
 
     def _mix_dense(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights):
         """The same output with no per-expert work: every expert's query and output projection as one
-        matmul each, and attention for every expert (E/k times the routed path's FLOPs in both),
-        with the unselected experts' outputs gated by zero. Weights, when asked for, are those of the
-        selected experts, in slot order as on the routed path (in expert order when k = E)."""
-        num_tokens, e, d = x.size(0), self.num_experts, self.head_dim
-        gates = routing.gates.new_zeros(num_tokens, e).scatter(1, routing.selected, routing.gates)  # (N, E)
-        q = self.q_experts.fan_out(x).view(tgt_len, bsz, e, d).permute(1, 2, 0, 3)  # (B, E, T, D)
-        o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights=True)
-        o = (o * gates.view(tgt_len, bsz, e).permute(1, 2, 0).unsqueeze(-1)).permute(2, 0, 1, 3)
-        y = self.o_experts.fan_in(o.reshape(num_tokens, e, d))
+        matmul each (E/k times the routed path's projection FLOPs), and attention for the k selected
+        experts' queries only, one multi-query product over the shared head, as on the routed path
+        (attention over a long cache is then k/E of attending for every expert). The unselected
+        experts' outputs are zero. Weights, when asked for, are the selected experts', in slot order
+        as on the routed path (in expert order when k = E)."""
+        num_tokens, e, d, k = x.size(0), self.num_experts, self.head_dim, self.top_k
+        q = self.q_experts.fan_out(x)  # (N, E, D)
+        if k < e:
+            q = q.gather(1, routing.selected.unsqueeze(-1).expand(-1, -1, d))  # (N, k, D), slot order
+            gates = routing.gates
+        else:  # every expert: attend in expert order
+            gates = routing.gates.new_zeros(num_tokens, e).scatter(1, routing.selected, routing.gates)
+        slots = q.size(1)
+        o, weights = self._attend(q.view(tgt_len, bsz, slots, d).permute(1, 2, 0, 3), keys, values, bias,
+                                  need_weights, need_head_weights)
+        o = o.permute(2, 0, 1, 3).reshape(num_tokens, slots, d) * gates.unsqueeze(-1)  # (N, slots, D), gated
+        if k < e:
+            o = o.new_zeros(num_tokens, e, d).scatter(1, routing.selected.unsqueeze(-1).expand(-1, -1, d), o)
+        y = self.o_experts.fan_in(o)
         if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
-            y = y + gates @ self.o_experts.bias
-        if weights is not None:  # (E, B, T, S), every expert's
-            if self.top_k < e:  # the selected experts', slot by slot: (k, B, T, S)
-                slots = routing.selected.view(tgt_len, bsz, -1).permute(2, 1, 0)  # (k, B, T)
-                weights = weights.gather(0, slots.unsqueeze(-1).expand(-1, -1, -1, weights.size(-1)))
-            weights = weights if need_head_weights else weights.mean(dim=0)
+            y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
         return y, weights
 
     def _attend(self, q, keys, values, bias, need_weights: bool, need_head_weights: bool):

@@ -22,9 +22,11 @@ W_O^i are never applied to that token. Computing every head and multiplying by t
 unselected heads), as the released code does, is the other path: taken when every routed head is
 active anyway (K = E) or none is (K = 0: the shared heads alone), with ``compute_all_heads``, for
 forwards of fewer than ``packed_min_tokens`` queries, and by default (``decode_all_heads``) for
-incremental decoding: with one query per sentence every (sentence, head) group of the packed layout
-holds at most one query, so packing skips no attention work, only the unselected heads' query and
-output projections, and measured it is no faster (docs/speed-and-memory.md).
+incremental decoding over a short cache: with one query per sentence every (sentence, head) group of
+the packed layout holds at most one query, so packing skips no attention work, only the unselected
+heads' query and output projections, and measured it is no faster (docs/speed-and-memory.md). Over a
+cache of at least ``active_heads_min_keys`` keys, where attention over the cache is most of a step, a
+decoding step attends with each sentence's active heads only (:meth:`_decode_active_heads`).
 
 ``router="query-norm"`` replaces the learned router with the parameter-free one of converted models
 (:class:`~moa.routing.QueryNormHeadRouter`): it needs every routed head's query to score them, so
@@ -47,6 +49,9 @@ from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStage
 # Below this many query tokens in a forward, computing every head and gating costs less than packing
 # the routed heads' queries (python -m benchmarks.moa_speed --sections crossover, 2-core CPU).
 PACKED_MIN_TOKENS = 1024
+# From this many cached keys on, a decoding step attends over the cache with the active heads only,
+# one (sentence, head) pair at a time (python -m benchmarks.lm_decoding --sections crossover, 2-core CPU).
+ACTIVE_HEADS_MIN_KEYS = 512
 
 
 @with_incremental_state
@@ -90,6 +95,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
         self.compute_all_heads = False
         self.decode_all_heads = True
         self.packed_min_tokens = PACKED_MIN_TOKENS
+        self.active_heads_min_keys = ACTIVE_HEADS_MIN_KEYS
 
     @property
     def computed_heads(self) -> int:
@@ -112,6 +118,10 @@ class MixtureOfHeadsAttention(RoutedAttention):
 
     def mix(self, x, routing: HeadRouting, queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
+        if decoding and tgt_len == 1 and not (need_weights or need_head_weights or self.compute_all_heads) and \
+                0 < self.top_k < self.router.routed_heads and keys.size(self.time_dim) >= self.active_heads_min_keys:
+            y = self._decode_active_heads(x, routing, keys, values, bias, queries)
+            return (y if self.out_proj.bias is None else y + self.out_proj.bias), None
         if self.compute_all_heads or need_head_weights or self.top_k in (0, self.router.routed_heads) or \
                 (self.decode_all_heads and decoding) or x.size(0) < self.packed_min_tokens:
             y, weights = self._mix_all_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
@@ -167,6 +177,34 @@ class MixtureOfHeadsAttention(RoutedAttention):
                 weight_sum = per_token if weight_sum is None else weight_sum + per_token
         weights = weight_sum / (h_s + self.top_k) if need_weights else None
         return y, weights
+
+    def _decode_active_heads(self, x, routing: HeadRouting, keys, values, bias, queries: Optional[Tensor] = None):
+        """One decoding step (one query per sentence) that attends over the cache with each sentence's
+        active heads only: the shared heads and the routed heads it selected. Each (sentence, head) pair
+        is a vector-matrix product with its (S, D) slice of the cache, read in place (a gathered copy
+        would cost as much as attending for every head), so the work over the cache is the active share
+        of the heads'; the Python loop costs a few microseconds per pair, which a long cache repays
+        (``active_heads_min_keys``). queries: (B, h * D), every head's query when the router computed
+        them; keys, values: (B, h, S, D); bias: additive, broadcastable to (B, 1, 1, S), or None."""
+        h, h_s, d = self.num_heads, self.shared_heads, self.head_dim
+        bsz = x.size(0)
+        if queries is None:
+            queries = self.q_proj(x)  # every head's query: one small matmul at this size
+        q = queries.view(bsz, h, d) * self.scaling
+        active = torch.arange(h_s, device=x.device).expand(bsz, h_s)
+        gates = routing.gates if routing.shared_gates is None else torch.cat([routing.shared_gates, routing.gates], 1)
+        active = torch.cat([active, h_s + routing.selected], dim=1)
+        o = x.new_zeros(bsz, h, d)
+        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+        for b, heads in enumerate(active.tolist()):  # one host synchronisation per module and step
+            row = None if bias is None else bias[b if bias.size(0) > 1 else 0, 0, 0]
+            for j, i in enumerate(heads):
+                scores = torch.mv(keys[b, i], q[b, i])
+                if row is not None:
+                    scores = scores + row
+                probs = self.dropout_module(torch.softmax(scores, dim=0, dtype=softmax_dtype).type_as(q))
+                o[b, i] = torch.mv(values[b, i].t(), probs) * gates[b, j]
+        return F.linear(o.view(bsz, h * d), self.out_proj.weight)
 
     def _mix_all_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
                        need_head_weights, queries: Optional[Tensor] = None):

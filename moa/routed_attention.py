@@ -5,8 +5,8 @@ weights_or_None)``, incremental state, beam reordering), so fairseq's Transforme
 unchanged. :meth:`RoutedAttention.forward` is written once, here:
 
 1. shape checks; the keys and values, projected by the subclass (any layout whose time axis is
-   ``time_dim``) and kept in the incremental-decoding cache, concatenated step by step, static for
-   encoder-decoder attention;
+   ``time_dim``) and kept in the incremental-decoding cache, each step written into a preallocated
+   store (:func:`append_to_cache`), static for encoder-decoder attention;
 2. the queries flattened time-first (n = t * batch + b) and routed (in incremental decoding without
    the load and the auxiliary losses, which only training and validation read), skipping padded queries: for
    self-attention the padding is ``key_padding_mask``; for encoder-decoder attention the decoder sets
@@ -38,6 +38,8 @@ IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 MATMUL_ATTENTION_MAX_QUERIES = 4  # per head; see RoutedAttention.attention_core
 ATTN_STATE = "attn_state"  # the incremental-state buffer of the key/value cache
 PER_SENTENCE = "attn_state_per_sentence"  # ... and of a beam-folded source cache
+STORE = "_store"  # the preallocated tensor a cached key/value is the front of (append_to_cache)
+CACHE_GROWTH_MIN_STEPS = 64  # the fewest decoding steps a growing key/value store makes room for
 
 
 class RoutedAttention(nn.Module):
@@ -213,8 +215,8 @@ class RoutedAttention(nn.Module):
         if saved is not None:
             if not static_kv and "prev_key" in saved:
                 prev_len = saved["prev_key"].size(self.time_dim)
-                keys = torch.cat([saved["prev_key"], keys], dim=self.time_dim)
-                values = torch.cat([saved["prev_value"], values], dim=self.time_dim)
+                keys = append_to_cache(saved, "prev_key", keys, self.time_dim)
+                values = append_to_cache(saved, "prev_value", values, self.time_dim)
                 key_padding_mask = cat_padding(saved.get("prev_key_padding_mask"), key_padding_mask,
                                                keys.size(0), prev_len, keys.size(self.time_dim) - prev_len)
             saved["prev_key"], saved["prev_value"] = keys, values
@@ -243,10 +245,13 @@ class RoutedAttention(nn.Module):
             if not buffer:
                 continue
             beam = self.beam_size if name == PER_SENTENCE else 1
-            for key, cached in buffer.items():
-                if cached is None or cached.size(0) * beam == new_order.size(0) != cached.size(0):
-                    continue  # per sentence, and every hypothesis stays with its sentence
+            for key, cached in list(buffer.items()):
+                if cached is None or key + STORE in buffer or \
+                        cached.size(0) * beam == new_order.size(0) != cached.size(0):
+                    continue  # a view of its store (below), or per sentence with every hypothesis staying
                 buffer[key] = cached.index_select(0, new_order.view(-1, beam)[:, 0] // beam if beam > 1 else new_order)
+            for key in [k for k in buffer if k + STORE in buffer]:  # the cache is the front of its reordered store
+                buffer[key] = buffer[key + STORE].narrow(self.time_dim, 0, buffer[key].size(self.time_dim))
             incremental_state = self.set_incremental_state(incremental_state, name, buffer)
         return incremental_state
 
@@ -256,6 +261,29 @@ class RoutedAttention(nn.Module):
 
     def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
         return self.set_incremental_state(incremental_state, ATTN_STATE, buffer)
+
+
+def append_to_cache(saved: Dict[str, Optional[Tensor]], name: str, new: Tensor, time_dim: int) -> Tensor:
+    """``saved[name]`` with ``new`` appended on ``time_dim``, stored as the front of a preallocated
+    tensor (``saved[name + STORE]``) that grows by at least an eighth at a time: a decoding step writes
+    only its own keys and values, where concatenating would copy the whole cache every step. Under
+    autograd (which in-place writes would break) it concatenates, as fairseq's attention does."""
+    prev = saved[name]
+    store = saved.pop(name + STORE, None)
+    if torch.is_grad_enabled() and (prev.requires_grad or new.requires_grad):
+        saved[name] = torch.cat([prev, new], dim=time_dim)
+        return saved[name]
+    length, steps = prev.size(time_dim), new.size(time_dim)
+    if store is None or store.size(time_dim) < length + steps or store.dtype != new.dtype:
+        capacity = length + steps + max(CACHE_GROWTH_MIN_STEPS, (length + steps) // 8)
+        shape = list(prev.shape)
+        shape[time_dim] = capacity
+        store = new.new_empty(shape)
+        store.narrow(time_dim, 0, length).copy_(prev)
+    store.narrow(time_dim, length, steps).copy_(new)
+    saved[name + STORE] = store
+    saved[name] = store.narrow(time_dim, 0, length + steps)
+    return saved[name]
 
 
 def cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int):
