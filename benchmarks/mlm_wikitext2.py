@@ -159,17 +159,20 @@ def natural_order(text):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def write_report(rows, out, run):
+MLM_TITLE = ("MLM on WikiText-2 text, {cpus} CPUs, batches of 16 x 256-token samples, masked-token perplexity "
+             "exp(NLL) on held-out lines; validation NLL in bits (log2 of the perplexity).")
+
+
+def write_report(rows, out, run, title=MLM_TITLE):
     """Add ``rows`` to the rows of ``out``.json (replacing those of the same model, seed and budget; each
-    row keeps the run that measured it); write both files."""
+    row keeps the run that measured it); write both files, headed by ``title`` ({cpus}: the CPU count)."""
     if os.path.exists(out + ".json"):
         with open(out + ".json", encoding="utf-8") as f:
             kept = json.load(f)["rows"]
         new = {row_key(r) for r in rows}
         rows = [r for r in kept if row_key(r) not in new] + rows
     rows.sort(key=lambda r: (r["budget"], natural_order(r["model"]), r["seed"]))
-    lines = [f"MLM on WikiText-2 text, {os.cpu_count()} CPUs, batches of 16 x 256-token samples, masked-token "
-             "perplexity exp(NLL) on held-out lines; validation NLL in bits (log2 of the perplexity).", "",
+    lines = [title.format(cpus=os.cpu_count()), "",
              "| budget | model | seed | date | parameters | updates | train words/s | wall s | valid ppl | valid NLL | "
              "test ppl |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

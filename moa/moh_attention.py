@@ -51,7 +51,7 @@ from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStage
 PACKED_MIN_TOKENS = 1024
 # From this many cached keys on, a decoding step attends over the cache with the active heads only,
 # one (sentence, head) pair at a time (python -m benchmarks.lm_decoding --sections crossover, 2-core CPU).
-ACTIVE_HEADS_MIN_KEYS = 512
+ACTIVE_HEADS_MIN_KEYS = 2048
 
 
 @with_incremental_state
