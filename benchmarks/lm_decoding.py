@@ -328,7 +328,7 @@ def main():
     if "decode" in args.sections:
         report["decode"] = decode_section(contexts, args.batches, rounds, 2 if args.quick else args.steps, args.models)
     if "module" in args.sections:
-        report["module"] = module_section([256, 512], rounds, 3 if args.quick else 9)
+        report["module"] = module_section([256] if args.quick else [256, 512], rounds, 3 if args.quick else 9)
     if "crossover" in args.sections:
         report["crossover"] = crossover_section([64, 256] if args.quick else [64, 128, 256, 512, 1024, 2048, 4096],
                                                 rounds, 3 if args.quick else 9)

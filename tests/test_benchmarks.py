@@ -161,3 +161,26 @@ def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path, capsys)
     assert code == 1 and err.startswith("benchmarks.translation_multi30k: error: --combine: these runs had different budgets")
     assert "batches of up to 2048 tokens, 200 warmup updates" in err
     assert not (tmp_path / "both.json").exists()
+
+
+@pytest.mark.slow
+def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tmp_path):
+    out = tmp_path / "lm.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lm_decoding", "--quick", "--batches", "2", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    decode = {(r["model_id"], r["context"]): r for r in report["decode"]}
+    assert {model for model, _ in decode} == {"transformer", "moa", "moh-75", "moh-50", "moh-50-all-heads"}
+    for (model, context), row in decode.items():
+        assert row["ms_per_token"] > 0 and row["kv_allocated_mb"] >= row["kv_cache_mb"] > 0
+        # one shared K/V head of 64 against four; MoH caches every head, as the Transformer does
+        assert row["kv_ratio"] == pytest.approx(0.25 if model == "moa" else 1.0, abs=0.01)
+    assert decode[("transformer", 64)]["time_ratio"] == 1.0
+    module = {r["module_id"]: r for r in report["module"]}
+    assert module["mha"]["macs_ratio"] == 1.0
+    assert module["moh-50"]["macs_ratio"] == pytest.approx(
+        (2 * 16 * 64 * 2048 + 2 * 2048 ** 2 + 2048 * 34 + 2 * 16 * 256 * 64) / (4 * 2048 ** 2 + 2 * 32 * 256 * 64))
+    assert {r["context"] for r in report["crossover"] if "module" in r} == {64, 256}
+    assert report["runs"]["decode"]["command"].startswith("python -m benchmarks.lm_decoding --quick")
+    assert "| moa_lm_small (4K8E64D) | 2 | 64 |" in (tmp_path / "lm.md").read_text()

@@ -97,26 +97,31 @@ PATHS = {  # id: (arch, flags, module attribute -> value)
 
 @pytest.mark.parametrize("path_id", list(PATHS))
 def test_incremental_decoding_equals_the_full_forward_with_a_growing_cache(path_id):
+    check_lm_decoding(path_id, "cpu")
+
+
+def check_lm_decoding(path_id, device):
+    """Decoding step by step, with a reorder on the way, gives the full causal forward's outputs
+    (also run on CUDA by tests/gpu)."""
     arch, extra, settings = PATHS[path_id]
     model = build_lm(arch, TINY_LM + extra).eval()
     for module in model.modules():
         for name, value in settings.items():
             if hasattr(module, name):
                 setattr(module, name, value)
-        if isinstance(module, MixtureOfHeadsAttention) and hasattr(module.router, "w_r"):
-            torch.nn.init.normal_(module.router.w_r.weight)
     for module in routed(model, MixtureOfHeadsAttention):  # a learned router that routes tokens apart
         for p in module.router.parameters():
             torch.nn.init.normal_(p, std=1.0)
+    model = model.to(device)
     torch.manual_seed(1)
-    tokens = torch.randint(4, 50, (3, 90))  # longer than the cache's first allocation (64 steps)
+    tokens = torch.randint(4, 50, (3, 90), device=device)  # longer than the cache's first allocation (64 steps)
     with torch.no_grad():
         full = model(tokens)[0]
         state, steps = {}, []
         for t in range(tokens.size(1)):
             steps.append(model(tokens[:, :t + 1], incremental_state=state)[0])
             if t == 40:  # beam search's reordering on the way: the store moves with the cache
-                order = torch.tensor([2, 0, 1])
+                order = torch.tensor([2, 0, 1], device=device)
                 model.decoder.reorder_incremental_state_scripting(state, order)
                 tokens, full = tokens[order], full[order]
                 steps = [s[order] for s in steps]

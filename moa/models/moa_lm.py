@@ -33,7 +33,7 @@ class MoALanguageModel(RoutedTransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
-        decoder_self_only(args, "--moa-attention-types")
+        decoder_self_only(args.moa_attention_types, "--moa-attention-types")
         check_moa_args(args)
         return super().build_model(args, task)
 

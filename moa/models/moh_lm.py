@@ -37,7 +37,7 @@ class MoHLanguageModel(RoutedTransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
-        decoder_self_only(args, "--moh-attention-types")
+        decoder_self_only(args.moh_attention_types, "--moh-attention-types")
         check_moh_args(args, {"decoder-self": args.decoder_attention_heads})
         return super().build_model(args, task)
 

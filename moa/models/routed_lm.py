@@ -61,9 +61,8 @@ def small_lm_shape(args) -> None:
         setattr(args, name, getattr(args, name, value))
 
 
-def decoder_self_only(args, flag: str) -> None:
-    """Language models route their self-attention, the only attention they have."""
-    types = getattr(args, flag.lstrip("-").replace("-", "_"))
+def decoder_self_only(types: str, flag: str) -> None:
+    """Refuse attention types other than decoder-self: the only attention a language model has."""
     if {t.strip() for t in str(types).split(",") if t.strip()} != {"decoder-self"}:
         raise ValueError(f"{flag} {types}: a language model has only decoder-self attention")
 

@@ -5,7 +5,9 @@
 * forward and backward of MoA (routed and dense paths, k < E and k = E) and MoH (learned and
   query-norm routers, the packed and the every-head paths, the shared heads alone) on CUDA equal the
   same model on the CPU, outputs and every gradient;
-* incremental decoding with a beam reorder on CUDA equals the full causal forward;
+* incremental decoding with a beam reorder on CUDA equals the full causal forward, for the translation
+  models and for the language models' decoding paths (MoA's, MoH's every-head and active-head paths
+  over a growing cache store);
 * fairseq-train with ``--fp16`` and with ``--bf16`` trains MoA and MoH for a few updates to a finite
   loss, and fairseq-generate translates every test sentence with the half-precision model (slow).
 """
@@ -20,6 +22,7 @@ from helpers import run_cli, translation_sample
 from moa_tools import USER_DIR
 from moa_tools.commands.demo import write_corpus
 from test_incremental_decoding import MODELS, check_beam_reorder, tiny_decoding_model
+from test_language_models import PATHS, check_lm_decoding
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -55,6 +58,11 @@ def test_forward_and_backward_on_cuda_equal_the_cpu(model_id):
 @pytest.mark.parametrize("model_id", list(MODELS))
 def test_incremental_decoding_on_cuda_equals_the_full_forward(model_id):
     check_beam_reorder(tiny_decoding_model(model_id).cuda(), "cuda")
+
+
+@pytest.mark.parametrize("path_id", list(PATHS))
+def test_language_model_decoding_on_cuda_equals_the_full_forward(path_id):
+    check_lm_decoding(path_id, "cuda")
 
 
 TRAIN_SHAPE = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
