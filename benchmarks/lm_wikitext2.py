@@ -84,10 +84,13 @@ def measured_row(model_id, label, seed, budget, run, log, wall, checkpoint, data
     wps = [float(x) for line in train_lines for x in re.findall(r"\| wps ([\d.]+)", line)]
     updates = [int(x) for line in train_lines for x in re.findall(r"\| num_updates (\d+)", line)]
     params = re.search(r"num\. shared model params: ([\d,]+)", log)
+    if params:
+        parameters = int(params.group(1).replace(",", ""))
+    else:  # a converted checkpoint, not trained here: count its weights
+        parameters = sum(t.numel() for t in load_checkpoint(checkpoint)["model"].values())
     ppl = perplexities(checkpoint, data_bin)
     row = {"model_id": model_id, "moa_config": None, "model": label, "seed": seed, "budget": budget,
-           "date": time.strftime("%Y-%m-%d"), "run": run,
-           "parameters": int(params.group(1).replace(",", "")) if params else None,
+           "date": time.strftime("%Y-%m-%d"), "run": run, "parameters": parameters,
            "updates": updates[-1] if updates else 0, "train_wall_s": wall,
            "train_words_per_s": sum(wps) / len(wps) if wps else math.nan,
            "valid_ppl": ppl["valid"], "test_ppl": ppl["test"]}
