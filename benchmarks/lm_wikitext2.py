@@ -86,8 +86,10 @@ def measured_row(model_id, label, seed, budget, run, log, wall, checkpoint, data
     params = re.search(r"num\. shared model params: ([\d,]+)", log)
     if params:
         parameters = int(params.group(1).replace(",", ""))
-    else:  # a converted checkpoint, not trained here: count its weights
-        parameters = sum(t.numel() for t in load_checkpoint(checkpoint)["model"].values())
+    else:  # a converted checkpoint, not trained here: count its weights, a tied one once
+        weights = {t.data_ptr(): t for name, t in load_checkpoint(checkpoint)["model"].items()
+                   if t.is_floating_point() and not name.endswith("_float_tensor")}  # fairseq's device marker
+        parameters = sum(t.numel() for t in weights.values())
     ppl = perplexities(checkpoint, data_bin)
     row = {"model_id": model_id, "moa_config": None, "model": label, "seed": seed, "budget": budget,
            "date": time.strftime("%Y-%m-%d"), "run": run, "parameters": parameters,
