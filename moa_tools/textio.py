@@ -11,7 +11,6 @@ import os
 from contextlib import ExitStack, contextmanager
 from typing import IO, Iterable, Iterator, List
 
-from moa.atomic_files import fsync_file
 from moa_tools import ToolError
 
 
@@ -48,9 +47,11 @@ def atomic_text_outputs(*paths: str) -> Iterator[List[IO[str]]]:
     temps = [path + ".tmp" for path in paths]
     try:
         with ExitStack() as stack:
-            yield [stack.enter_context(open(temp, "w", encoding="utf-8")) for temp in temps]
-        for temp in temps:
-            fsync_file(temp)
+            files = [stack.enter_context(open(temp, "w", encoding="utf-8")) for temp in temps]
+            yield files
+            for f in files:  # the data on the disk before the rename publishes it
+                f.flush()
+                os.fsync(f.fileno())
     except BaseException:
         for temp in temps:
             if os.path.exists(temp):

@@ -77,9 +77,14 @@ def parse_per_layer(value, flag: str, layers: Dict[str, int]) -> Optional[List[i
 
 
 def routed_layer_counts(args, types) -> Dict[str, int]:
-    """The layer count of each routed attention type: the encoder's for encoder-self, the decoder's for
-    the decoder's types."""
-    return {kind: args.encoder_layers if kind == "encoder-self" else args.decoder_layers for kind in types}
+    """The layer count of each routed attention type the model has: the encoder's for encoder-self,
+    the decoder's for the decoder's types (a masked LM has no decoder, a language model no encoder)."""
+    counts = {}
+    for kind in types:
+        layers = getattr(args, "encoder_layers" if kind == "encoder-self" else "decoder_layers", None)
+        if layers is not None:
+            counts[kind] = layers
+    return counts
 
 
 def layer_top_k(cfg, default: int) -> int:
