@@ -40,7 +40,7 @@ from benchmarks.common import RESULTS, provenance, provenance_line, write_atomic
 from moa import routed_attention
 from moa.models.build import build_from_args, dictionary_of_size, model_args
 from moa.moa_attention import MixtureOfAttentionHeads
-from moa.moh_attention import MixtureOfHeadsAttention
+from moa.moh_attention import ACTIVE_HEADS_MIN_KEYS, MixtureOfHeadsAttention
 from moa.routed_attention import STORE, RoutedAttention
 
 SECTIONS = ("decode", "module", "crossover")
@@ -79,17 +79,24 @@ def filled_state(model, bsz, context):
         buffer = attn._get_input_buffer(state)
         time_dim = attn.time_dim if isinstance(attn, RoutedAttention) else 2
         for name in ("prev_key", "prev_value"):
-            shape = list(buffer[name].shape)
             if isinstance(attn, RoutedAttention):  # as a store grown step by step holds it
-                shape[time_dim] = context + max(routed_attention.CACHE_GROWTH_MIN_STEPS, context // 8)
-                buffer[name + STORE] = torch.randn(shape)
-                buffer[name] = buffer[name + STORE].narrow(time_dim, 0, context)
+                fill_store(buffer, name, time_dim, context,
+                           max(routed_attention.CACHE_GROWTH_MIN_STEPS, context // 8))
             else:
+                shape = list(buffer[name].shape)
                 shape[time_dim] = context
                 buffer[name] = torch.randn(shape)
         buffer["prev_key_padding_mask"] = None
         attn._set_input_buffer(state, buffer)
     return state
+
+
+def fill_store(buffer, name, time_dim, context, headroom):
+    """Make ``buffer[name]`` ``context`` random positions at the front of a store with ``headroom`` more."""
+    shape = list(buffer[name].shape)
+    shape[time_dim] = context + headroom
+    buffer[name + STORE] = torch.randn(shape)
+    buffer[name] = buffer[name + STORE].narrow(time_dim, 0, context)
 
 
 def cache_bytes(model, state):
@@ -153,17 +160,6 @@ def module_macs(heads, active, head_dim, seq):
     return 2 * active * head_dim * d + 2 * d * d + router + 2 * active * seq * head_dim
 
 
-def time_forward(module, x, repeats):
-    with torch.no_grad():
-        module(x, x, x, need_weights=False)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            module(x, x, x, need_weights=False)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def module_section(seqs, rounds, repeats):
     heads, head_dim = 32, 64
     d = heads * head_dim
@@ -182,7 +178,8 @@ def module_section(seqs, rounds, repeats):
         times = {name: [] for name in modules}
         for _ in range(rounds):
             for name, module in modules.items():
-                times[name].append(time_forward(module, x, repeats))
+                with torch.no_grad():
+                    times[name].append(median_of(lambda: module(x, x, x, need_weights=False), repeats))
         for name in modules:
             macs = module_macs(heads, active[name], head_dim, seq) / module_macs(heads, heads, head_dim, seq)
             ratio = statistics.median(a / b for a, b in zip(times[name], times["mha"]))
@@ -203,10 +200,7 @@ def decode_step_job(module, bsz, context):
         module(x, x, x, incremental_state=state, need_weights=False)
     buffer = module._get_input_buffer(state)
     for name in ("prev_key", "prev_value"):
-        shape = list(buffer[name].shape)
-        shape[2] = context + 64
-        buffer[name + STORE] = torch.randn(shape)
-        buffer[name] = buffer[name + STORE].narrow(2, 0, context)
+        fill_store(buffer, name, module.time_dim, context, 64)
     module._set_input_buffer(state, buffer)
     step = torch.randn(1, bsz, dim)
 
@@ -234,7 +228,7 @@ def crossover_section(contexts, rounds, repeats):
                     for path, min_keys in (("all", 10 ** 9), ("active", 0)):
                         module.active_heads_min_keys = min_keys
                         times[path].append(median_of(job, repeats))
-                module.active_heads_min_keys = MixtureOfHeadsAttention(dim, heads, shared, top_k).active_heads_min_keys
+                module.active_heads_min_keys = ACTIVE_HEADS_MIN_KEYS
                 row = {"module": name, "batch": bsz, "context": context,
                        "all_heads_ms": 1e3 * statistics.median(times["all"]),
                        "active_heads_ms": 1e3 * statistics.median(times["active"]),
