@@ -1,15 +1,17 @@
 """``python slow_saves.py TOOL ARGS``: the console script TOOL (fairseq-train, moa-average-checkpoints,
 ...) with slow file writes, so that a test's kills land inside its saves. torch.save and file copies
-write in 8 KiB pieces with a pause after each; the bytes written are the same."""
+write in pieces (8 KiB, or ``SLOW_SAVES_PIECE`` bytes) with a pause after each; the bytes written are
+the same."""
 
 import io
+import os
 import shutil
 import sys
 import time
 
 import torch
 
-PIECE, PAUSE = 8192, 0.002
+PIECE, PAUSE = int(os.environ.get("SLOW_SAVES_PIECE", 8192)), 0.002
 _torch_save = torch.save
 
 

@@ -174,13 +174,15 @@ def test_a_killed_tool_leaves_the_old_output_or_the_whole_new_one(transformer_ch
             [str(transformer_checkpoints / "checkpoint_last.pt"), "--shared-heads", "2", "--top-k", "1",
              "--router", "query-norm", "--out", str(out)])
     rng = random.Random(tool)
+    # 1 KiB pieces: the converted checkpoint (about 150 KB) takes some 0.3 s to write, far longer than
+    # the 0.05 s kill window (in 8 KiB pieces it took 0.045 s, and a kill could come after the rename)
+    slow = dict(environment(), SLOW_SAVES_PIECE="1024")
     for _ in range(4):
-        proc = subprocess.Popen([*SLOW, tool, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=environment())
+        proc = subprocess.Popen([*SLOW, tool, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=slow)
         while proc.poll() is None and not (tmp_path / "out.pt.tmp").exists():
             time.sleep(0.001)
         assert proc.poll() is None, "the tool ended before it started writing"
-        time.sleep(rng.uniform(0.0, 0.05))  # the whole write takes several times longer
+        time.sleep(rng.uniform(0.0, 0.05))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert proc.returncode == -signal.SIGKILL  # killed while writing: the old file stands
