@@ -11,4 +11,4 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install numpy cython setuptools wheel
 .venv/bin/python -c "import fairseq" 2>/dev/null || pip install --no-build-isolation "fairseq-fixed==0.12.3.1"
 pip install --no-build-isolation -e ".[test]"
-.venv/bin/python -c "import torch, fairseq, moa; print('moa ready: torch', torch.__version__, 'fairseq', fairseq.__version__)" 2>&1 | grep -v tensorboardX
+.venv/bin/python -c "import moa, torch, fairseq; print('moa ready: torch', torch.__version__, 'fairseq', fairseq.__version__)" 2>&1 | grep -v tensorboardX
