@@ -15,37 +15,59 @@ sizes are Python ints computed once per module.
 """
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 
+# The most elements a chunk's gathered rows may hold (1 MiB in float32): a large projection is done a few
+# experts at a time, so that its temporaries stay in the CPU's caches and in memory the allocator reuses;
+# one (M, in_dim) gather of every assignment at once costs a fresh buffer, which on CPU is mapped and
+# faulted in page by page on every call (python -m benchmarks.lm_decoding --sections module).
+CHUNK_ELEMENTS = 1 << 18
+
+
+def expert_chunks(group_sizes: List[int], width: int) -> List[Tuple[int, int, int, int]]:
+    """Consecutive runs of whole experts, ``(first_expert, end_expert, first_row, end_row)``, each
+    holding at most ``CHUNK_ELEMENTS // width`` rows (or a single expert that has more)."""
+    limit = max(1, CHUNK_ELEMENTS // max(width, 1))
+    chunks, first, row, start = [], 0, 0, 0
+    for e, size in enumerate(group_sizes):
+        if size and row > start and row + size - start > limit:
+            chunks.append((first, e, start, row))
+            first, start = e, row
+        row += size
+    chunks.append((first, len(group_sizes), start, row))
+    return chunks
+
+
 class _ExpertLinear(torch.autograd.Function):
     """out[dst[p]] += scale[p] * x[src[p]] @ W[e] (+ b[e]) for each expert e's block of assignments p.
 
-    Each pass gathers its rows for every expert at once (one ``index_select``), multiplies expert by
-    expert into the blocks of one preallocated result (``mm(out=)``, no per-expert copies) and writes
-    back with one ``index_copy_``/``index_add_``: three memory passes in all, whatever E is, and E
-    matmuls (two per expert in the backward)."""
+    The experts go in chunks (:func:`expert_chunks`): each chunk gathers its rows at once (one
+    ``index_select``), multiplies expert by expert into the blocks of one result (``mm(out=)``, no
+    per-expert copies) and writes back with one ``index_copy_``/``index_add_``: three memory passes in
+    all, whatever E is, and E matmuls (two per expert in the backward)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale, src, dst, group_sizes, out_rows, dst_is_permutation, expert_dim):
         experts = weight.unbind(expert_dim)
-        rows = x.index_select(0, src)  # (M, in_dim), sorted by expert
-        if scale is not None:
-            rows.mul_(scale.unsqueeze(1))
-        y = rows.new_empty(rows.size(0), weight.size(-1))
-        for e, (r, block) in enumerate(zip(rows.split(group_sizes), y.split(group_sizes))):
-            if r.numel():
-                torch.mm(r, experts[e], out=block)
-                if bias is not None:
-                    block += bias[e]
+        out_dim = weight.size(-1)
         # Every row written exactly once needs no zero fill: copy instead of accumulating.
-        if dst_is_permutation:
-            out = y.new_empty(out_rows, y.size(1)).index_copy_(0, dst, y)
-        else:
-            out = y.new_zeros(out_rows, y.size(1)).index_add_(0, dst, y)
+        out = x.new_empty(out_rows, out_dim) if dst_is_permutation else x.new_zeros(out_rows, out_dim)
+        for first, end, lo, hi in expert_chunks(group_sizes, max(x.size(1), out_dim)):
+            rows = x.index_select(0, src[lo:hi])  # sorted by expert
+            if scale is not None:
+                rows.mul_(scale[lo:hi].unsqueeze(1))
+            y = rows.new_empty(hi - lo, out_dim)
+            sizes = group_sizes[first:end]
+            for e, r, block in zip(range(first, end), rows.split(sizes), y.split(sizes)):
+                if r.numel():
+                    torch.mm(r, experts[e], out=block)
+                    if bias is not None:
+                        block += bias[e]
+            (out.index_copy_ if dst_is_permutation else out.index_add_)(0, dst[lo:hi], y)
         ctx.save_for_backward(x, weight, scale, src, dst)
         ctx.group_sizes = group_sizes
         ctx.has_bias = bias is not None
@@ -55,39 +77,44 @@ class _ExpertLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, scale, src, dst = ctx.saved_tensors
-        sizes = ctx.group_sizes
+        group_sizes = ctx.group_sizes
         need_x, need_w, need_b, need_scale = ctx.needs_input_grad[:4]
-        grad_x = grad_w = grad_b = grad_scale = None
         experts = weight.unbind(ctx.expert_dim)
-        g = grad_out.index_select(0, dst)  # (M, out_dim), sorted by expert
-        g_blocks = g.split(sizes)
-        rows = x.index_select(0, src) if need_w or need_scale else None  # the unscaled gathered rows
-        if need_x or need_scale:
-            g_rows = g.new_empty(g.size(0), x.size(1))  # gradient w.r.t. the (scaled) gathered rows
-            for e, (gb, block) in enumerate(zip(g_blocks, g_rows.split(sizes))):
-                if gb.numel():
-                    torch.mm(gb, experts[e].t(), out=block)
-            if need_scale:
-                grad_scale = (g_rows * rows).sum(1)
-            if need_x:
-                grad_x = torch.zeros_like(x).index_add_(0, src, g_rows if scale is None else
-                                                        g_rows.mul_(scale.unsqueeze(1)))
-        if need_w:
-            if scale is not None:
-                rows.mul_(scale.unsqueeze(1))
-            grad_w = torch.empty_like(weight)
-            grad_experts = grad_w.unbind(ctx.expert_dim)
-            for e, (r, gb) in enumerate(zip(rows.split(sizes), g_blocks)):
-                if not gb.numel():
-                    grad_experts[e].zero_()
-                elif grad_experts[e].is_contiguous():
-                    torch.mm(r.t(), gb, out=grad_experts[e])
-                elif grad_experts[e].t().is_contiguous():  # a transposed view, as of nn.Linear's (out, in) weight
-                    torch.mm(gb.t(), r, out=grad_experts[e].t())
-                else:  # a strided (in_dim, out_dim) slice of the (in_dim, E, out_dim) layout
-                    grad_experts[e].copy_(r.t() @ gb)
-        if need_b and ctx.has_bias:
-            grad_b = torch.stack([gb.sum(0) for gb in g_blocks])
+        grad_x = torch.zeros_like(x) if need_x else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_experts = grad_w.unbind(ctx.expert_dim) if need_w else None
+        grad_b = [] if need_b and ctx.has_bias else None
+        grad_scale = scale.new_empty(scale.shape) if need_scale else None
+        for first, end, lo, hi in expert_chunks(group_sizes, max(x.size(1), grad_out.size(1))):
+            sizes = group_sizes[first:end]
+            g = grad_out.index_select(0, dst[lo:hi])  # (rows, out_dim), sorted by expert
+            g_blocks = g.split(sizes)
+            rows = x.index_select(0, src[lo:hi]) if need_w or need_scale else None  # unscaled gathered rows
+            if need_x or need_scale:
+                g_rows = g.new_empty(g.size(0), x.size(1))  # gradient w.r.t. the (scaled) gathered rows
+                for e, gb, block in zip(range(first, end), g_blocks, g_rows.split(sizes)):
+                    if gb.numel():
+                        torch.mm(gb, experts[e].t(), out=block)
+                if need_scale:
+                    grad_scale[lo:hi] = (g_rows * rows).sum(1)
+                if need_x:
+                    grad_x.index_add_(0, src[lo:hi], g_rows if scale is None else g_rows.mul_(scale[lo:hi].unsqueeze(1)))
+            if need_w:
+                if scale is not None:
+                    rows.mul_(scale[lo:hi].unsqueeze(1))
+                for e, r, gb in zip(range(first, end), rows.split(sizes), g_blocks):
+                    if not gb.numel():
+                        grad_experts[e].zero_()
+                    elif grad_experts[e].is_contiguous():
+                        torch.mm(r.t(), gb, out=grad_experts[e])
+                    elif grad_experts[e].t().is_contiguous():  # a transposed view, as of nn.Linear's (out, in) weight
+                        torch.mm(gb.t(), r, out=grad_experts[e].t())
+                    else:  # a strided (in_dim, out_dim) slice of the (in_dim, E, out_dim) layout
+                        grad_experts[e].copy_(r.t() @ gb)
+            if grad_b is not None:
+                grad_b += [gb.sum(0) for gb in g_blocks]
+        if grad_b is not None:
+            grad_b = torch.stack(grad_b)
         return grad_x, grad_w, grad_b, grad_scale, None, None, None, None, None, None
 
 

@@ -120,17 +120,12 @@ class MixtureOfHeadsAttention(RoutedAttention):
             need_head_weights, decoding):
         if decoding and tgt_len == 1 and not (need_weights or need_head_weights or self.compute_all_heads) and \
                 0 < self.top_k < self.router.routed_heads and keys.size(self.time_dim) >= self.active_heads_min_keys:
-            y = self._decode_active_heads(x, routing, keys, values, bias, queries)
-            return (y if self.out_proj.bias is None else y + self.out_proj.bias), None
+            return self._decode_active_heads(x, routing, keys, values, bias, queries), None
         if self.compute_all_heads or need_head_weights or self.top_k in (0, self.router.routed_heads) or \
                 (self.decode_all_heads and decoding) or x.size(0) < self.packed_min_tokens:
-            y, weights = self._mix_all_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
-                                             need_head_weights, queries)
-        else:
-            y, weights = self._mix_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights, queries)
-        if self.out_proj.bias is not None:
-            y = y + self.out_proj.bias
-        return y, weights
+            return self._mix_all_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
+                                       need_head_weights, queries)
+        return self._mix_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights, queries)
 
     def _mix_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
                           queries: Optional[Tensor] = None):
@@ -146,7 +141,8 @@ class MixtureOfHeadsAttention(RoutedAttention):
             q = q.reshape(tgt_len, bsz, h_s, d).permute(1, 2, 0, 3)
             o, weights = self.attention_core(q, keys[:, :h_s], values[:, :h_s], bias, need_weights)
             o = o * routing.shared_gates.view(tgt_len, bsz, h_s).permute(1, 2, 0).unsqueeze(-1)
-            y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, h_s * d), self.out_proj.weight[:, :h_s * d])
+            y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, h_s * d), self.out_proj.weight[:, :h_s * d],
+                         self.out_proj.bias)
             if need_weights:
                 weight_sum = weights.sum(dim=1)  # (B, T, S)
         if self.top_k:
@@ -168,7 +164,10 @@ class MixtureOfHeadsAttention(RoutedAttention):
             gates = routing.gates.reshape(-1)[plan.order]
             routed = expert_linear(o.reshape(-1, d), o_weight, None, plan.packed_row, plan.token, plan.group_sizes,
                                    x.size(0), scale=gates)
-            y = routed if y is None else y + routed
+            if y is None:  # no shared heads
+                y = routed if self.out_proj.bias is None else routed + self.out_proj.bias
+            else:
+                y.add_(routed)  # in place: no second (N, C) result
             if need_weights:
                 packed = weights.reshape(plan.num_packed_rows, -1)
                 per_token = packed.new_zeros(bsz * tgt_len, packed.size(-1))
@@ -204,7 +203,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
                     scores = scores + row
                 probs = self.dropout_module(torch.softmax(scores, dim=0, dtype=softmax_dtype).type_as(q))
                 o[b, i] = torch.mv(values[b, i].t(), probs) * gates[b, j]
-        return F.linear(o.view(bsz, h * d), self.out_proj.weight)
+        return F.linear(o.view(bsz, h * d), self.out_proj.weight, self.out_proj.bias)
 
     def _mix_all_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
                        need_head_weights, queries: Optional[Tensor] = None):
@@ -217,7 +216,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
         q = queries.view(tgt_len, bsz, heads, self.head_dim).permute(1, 2, 0, 3)
         o, weights = self.attention_core(q, keys, values, bias, need_weights)
         o = o * gates.view(tgt_len, bsz, heads).permute(1, 2, 0).unsqueeze(-1)
-        y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, width), self.out_proj.weight[:, :width])
+        y = F.linear(o.permute(2, 0, 1, 3).reshape(-1, width), self.out_proj.weight[:, :width], self.out_proj.bias)
         if not need_weights:
             return y, None
         if need_head_weights:

@@ -3,7 +3,7 @@
 import torch
 
 from moa.dispatch import ExpertDispatch
-from moa.experts import expert_linear
+from moa.experts import expert_chunks, expert_linear
 
 
 def _naive(x, weight, bias, src, dst, group_sizes, out_rows, scale=None):
@@ -64,3 +64,40 @@ def test_dispatch_groups_by_expert_and_maps_to_the_attention_layout():
     assert sorted_experts.tolist() == [0, 0, 1, 1, 2, 2]
     # the (b=0, slot j, t) layout row of every assignment is unique and in range
     assert sorted(plan.slot_row.tolist()) == list(range(6))
+
+
+def test_chunks_hold_whole_experts_within_the_row_limit(monkeypatch):
+    import moa.experts
+
+    monkeypatch.setattr(moa.experts, "CHUNK_ELEMENTS", 40)
+    # width 10: at most 4 rows a chunk, an expert of more rows alone in its chunk
+    assert expert_chunks([3, 0, 1, 6, 2, 2], 10) == [(0, 3, 0, 4), (3, 4, 4, 10), (4, 6, 10, 14)]
+    assert expert_chunks([0, 0], 10) == [(0, 2, 0, 0)]
+
+
+def test_a_projection_done_in_chunks_matches_the_naive_loop(monkeypatch):
+    """Large projections go a few experts at a time; outputs and every gradient are unchanged."""
+    import moa.experts
+
+    torch.manual_seed(3)
+    x = torch.randn(7, 5, dtype=torch.double, requires_grad=True)
+    weight = torch.randn(4, 5, 3, dtype=torch.double, requires_grad=True)
+    bias = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
+    scale = torch.rand(10, dtype=torch.double, requires_grad=True)
+    group_sizes = [4, 0, 3, 3]
+    src = torch.tensor([0, 2, 5, 6, 1, 3, 4, 0, 5, 6])
+    dst = torch.tensor([7, 0, 2, 2, 6, 1, 3, 7, 4, 5])
+    want = _naive(x, weight, bias, src, dst, group_sizes, 8, scale=scale)
+    monkeypatch.setattr(moa.experts, "CHUNK_ELEMENTS", 10)  # 2 rows a chunk: every expert alone
+    assert len(expert_chunks(group_sizes, 5)) == 3
+    got = expert_linear(x, weight, bias, src, dst, group_sizes, 8, scale=scale)
+    torch.testing.assert_close(got, want)
+    probe = torch.randn_like(got)
+    grads = torch.autograd.grad((got * probe).sum(), (x, weight, bias, scale))
+    want_grads = torch.autograd.grad((want * probe).sum(), (x, weight, bias, scale))
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w)
+    permuted = expert_linear(x, weight, None, src[:8], torch.tensor([3, 0, 2, 1, 7, 6, 5, 4]), [4, 0, 3, 1], 8,
+                             dst_is_permutation=True)
+    torch.testing.assert_close(permuted, _naive(x, weight, None, src[:8], torch.tensor([3, 0, 2, 1, 7, 6, 5, 4]),
+                                                [4, 0, 3, 1], 8))
