@@ -42,6 +42,13 @@ def expert_chunks(group_sizes: List[int], width: int) -> List[Tuple[int, int, in
     return chunks
 
 
+def _workspace(like: Tensor, chunks, *widths: int) -> List[Tensor]:
+    """One (rows, width) buffer per width, for the largest chunk: every chunk of a pass reuses them, so
+    the pass touches fresh memory once, not once per chunk."""
+    rows = max(hi - lo for _, _, lo, hi in chunks)
+    return [like.new_empty(rows, width) for width in widths]
+
+
 class _ExpertLinear(torch.autograd.Function):
     """out[dst[p]] += scale[p] * x[src[p]] @ W[e] (+ b[e]) for each expert e's block of assignments p.
 
@@ -56,11 +63,13 @@ class _ExpertLinear(torch.autograd.Function):
         out_dim = weight.size(-1)
         # Every row written exactly once needs no zero fill: copy instead of accumulating.
         out = x.new_empty(out_rows, out_dim) if dst_is_permutation else x.new_zeros(out_rows, out_dim)
-        for first, end, lo, hi in expert_chunks(group_sizes, max(x.size(1), out_dim)):
-            rows = x.index_select(0, src[lo:hi])  # sorted by expert
+        chunks = expert_chunks(group_sizes, max(x.size(1), out_dim))
+        rows_space, y_space = _workspace(x, chunks, x.size(1), out_dim)
+        for first, end, lo, hi in chunks:
+            rows = torch.index_select(x, 0, src[lo:hi], out=rows_space[:hi - lo])  # sorted by expert
             if scale is not None:
                 rows.mul_(scale[lo:hi].unsqueeze(1))
-            y = rows.new_empty(hi - lo, out_dim)
+            y = y_space[:hi - lo]
             sizes = group_sizes[first:end]
             for e, r, block in zip(range(first, end), rows.split(sizes), y.split(sizes)):
                 if r.numel():
@@ -85,13 +94,16 @@ class _ExpertLinear(torch.autograd.Function):
         grad_experts = grad_w.unbind(ctx.expert_dim) if need_w else None
         grad_b = [] if need_b and ctx.has_bias else None
         grad_scale = scale.new_empty(scale.shape) if need_scale else None
-        for first, end, lo, hi in expert_chunks(group_sizes, max(x.size(1), grad_out.size(1))):
+        chunks = expert_chunks(group_sizes, max(x.size(1), grad_out.size(1)))
+        g_space, rows_space, g_rows_space = _workspace(x, chunks, grad_out.size(1), x.size(1), x.size(1))
+        for first, end, lo, hi in chunks:
             sizes = group_sizes[first:end]
-            g = grad_out.index_select(0, dst[lo:hi])  # (rows, out_dim), sorted by expert
+            g = torch.index_select(grad_out, 0, dst[lo:hi], out=g_space[:hi - lo])  # sorted by expert
             g_blocks = g.split(sizes)
-            rows = x.index_select(0, src[lo:hi]) if need_w or need_scale else None  # unscaled gathered rows
+            # the unscaled gathered rows
+            rows = torch.index_select(x, 0, src[lo:hi], out=rows_space[:hi - lo]) if need_w or need_scale else None
             if need_x or need_scale:
-                g_rows = g.new_empty(g.size(0), x.size(1))  # gradient w.r.t. the (scaled) gathered rows
+                g_rows = g_rows_space[:hi - lo]  # gradient w.r.t. the (scaled) gathered rows
                 for e, gb, block in zip(range(first, end), g_blocks, g_rows.split(sizes)):
                     if gb.numel():
                         torch.mm(gb, experts[e].t(), out=block)
