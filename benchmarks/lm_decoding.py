@@ -1,6 +1,6 @@
 """Long-context decoding of the language models, against their ``transformer_lm`` twins.
 
-    .venv/bin/python -m benchmarks.lm_decoding                       # every section (about 15 minutes)
+    .venv/bin/python -m benchmarks.lm_decoding                       # every section
     .venv/bin/python -m benchmarks.lm_decoding --sections module crossover
     .venv/bin/python -m benchmarks.lm_decoding --quick               # a smoke run (the tests' check)
 
