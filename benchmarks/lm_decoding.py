@@ -19,7 +19,9 @@ Sections (each row keyed by model id; the results carry the command, commit and 
 * ``module``: the MoH paper's timing: one self-attention module of 32 heads of 64 (d_model 2048),
   forward only, 256 and 512 tokens of one sequence, fairseq's multi-head attention against MoH at 50%
   (8 shared + top-8 of 24) and 75% (8 shared + top-16 of 24) on its packed path, beside the multiply-
-  add ratio (:func:`module_macs`) and the paper's published times.
+  add ratio (:func:`module_macs`) and the paper's published times; and the 50% module with its expert
+  projections in one chunk (``moh-50-one-chunk``: every routed row gathered at once, as before the
+  projections were chunked).
 * ``crossover``: one MoH decoding step of a module with every head against the active heads only
   (``active_heads_min_keys``) by context length, at batch 1 and 8, for the small and base shapes;
   and the attention of a decoding step's few queries as two matmuls (what ``attention_core`` does for
@@ -27,6 +29,7 @@ Sections (each row keyed by model id; the results carry the command, commit and 
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,6 +39,7 @@ import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 
 import moa  # noqa: F401  (registers the archs)
+import moa.experts
 from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
 from moa import routed_attention
 from moa.models.build import build_from_args, dictionary_of_size, model_args
@@ -167,28 +171,42 @@ def module_section(seqs, rounds, repeats):
     modules = {"mha": MultiheadAttention(d, heads, self_attention=True).eval(),
                "moh-50": MixtureOfHeadsAttention(d, heads, 8, 8, self_attention=True).eval(),
                "moh-75": MixtureOfHeadsAttention(d, heads, 8, 16, self_attention=True).eval()}
-    active = {"mha": heads, "moh-50": 16, "moh-75": 24}
     for name in ("moh-50", "moh-75"):
         modules[name].packed_min_tokens = 0  # the routed heads' work only, at every size
         for p in modules[name].router.parameters():
             torch.nn.init.normal_(p, std=d ** -0.5)
+    modules["moh-50-one-chunk"] = modules["moh-50"]  # the same module, its projections unchunked
+    active = {"mha": heads, "moh-50": 16, "moh-75": 24, "moh-50-one-chunk": 16}
     rows = []
     for seq in seqs:
         x = torch.randn(seq, 1, d)
         times = {name: [] for name in modules}
         for _ in range(rounds):
             for name, module in modules.items():
-                with torch.no_grad():
+                with torch.no_grad(), one_chunk(name.endswith("one-chunk")):
                     times[name].append(median_of(lambda: module(x, x, x, need_weights=False), repeats))
         for name in modules:
             macs = module_macs(heads, active[name], head_dim, seq) / module_macs(heads, heads, head_dim, seq)
             ratio = statistics.median(a / b for a, b in zip(times[name], times["mha"]))
+            paper = PAPER_MS[seq].get(name)
             row = {"module_id": name, "seq": seq, "active_heads": active[name], "ms": 1e3 * statistics.median(times[name]),
                    "time_ratio": ratio, "macs_ratio": macs, "time_over_macs_ratio": ratio / macs,
-                   "paper_ms": PAPER_MS[seq][name], "paper_ratio": PAPER_MS[seq][name] / PAPER_MS[seq]["mha"]}
+                   "paper_ms": paper, "paper_ratio": paper and paper / PAPER_MS[seq]["mha"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def one_chunk(active: bool):
+    """With ``active``, the expert projections gather all their rows at once (one chunk, as before
+    :data:`moa.experts.CHUNK_ELEMENTS`), to show what chunking them saves."""
+    saved = moa.experts.CHUNK_ELEMENTS
+    moa.experts.CHUNK_ELEMENTS = 1 << 62 if active else saved
+    try:
+        yield
+    finally:
+        moa.experts.CHUNK_ELEMENTS = saved
 
 
 def decode_step_job(module, bsz, context):
@@ -280,8 +298,8 @@ def markdown(report):
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in report["module"]:
             lines.append(f"| {r['module_id']} | {r['seq']} | {r['active_heads']} | {r['ms']:.3f} | {r['time_ratio']:.2f} | "
-                         f"{r['macs_ratio']:.3f} | {r['time_over_macs_ratio']:.2f} | {r['paper_ms']:.3f} | "
-                         f"{r['paper_ratio']:.2f} |")
+                         f"{r['macs_ratio']:.3f} | {r['time_over_macs_ratio']:.2f} | "
+                         + (f"{r['paper_ms']:.3f} | {r['paper_ratio']:.2f} |" if r.get("paper_ms") else " | |"))
     if report.get("crossover"):
         lines += ["", "## Crossovers", "", "| MoH module | batch | context | every head ms | active heads ms | ratio |",
                   "|---|---|---|---|---|---|"]

@@ -181,6 +181,7 @@ def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tm
     assert module["mha"]["macs_ratio"] == 1.0
     assert module["moh-50"]["macs_ratio"] == pytest.approx(
         (2 * 16 * 64 * 2048 + 2 * 2048 ** 2 + 2048 * 34 + 2 * 16 * 256 * 64) / (4 * 2048 ** 2 + 2 * 32 * 256 * 64))
+    assert module["moh-50-one-chunk"]["macs_ratio"] == module["moh-50"]["macs_ratio"]  # the same module, unchunked
     assert {r["context"] for r in report["crossover"] if "module" in r} == {64, 256}
     assert report["runs"]["decode"]["command"].startswith("python -m benchmarks.lm_decoding --quick")
     assert "| moa_lm_small (4K8E64D) | 2 | 64 |" in (tmp_path / "lm.md").read_text()
