@@ -95,14 +95,16 @@ class _ExpertLinear(torch.autograd.Function):
         grad_b = [] if need_b and ctx.has_bias else None
         grad_scale = scale.new_empty(scale.shape) if need_scale else None
         chunks = expert_chunks(group_sizes, max(x.size(1), grad_out.size(1)))
-        g_space, rows_space, g_rows_space = _workspace(x, chunks, grad_out.size(1), x.size(1), x.size(1))
+        need_rows, need_g_rows = need_w or need_scale, need_x or need_scale  # a buffer not needed: width 0
+        g_space, rows_space, g_rows_space = _workspace(x, chunks, grad_out.size(1), x.size(1) * need_rows,
+                                                       x.size(1) * need_g_rows)
         for first, end, lo, hi in chunks:
             sizes = group_sizes[first:end]
             g = torch.index_select(grad_out, 0, dst[lo:hi], out=g_space[:hi - lo])  # sorted by expert
             g_blocks = g.split(sizes)
             # the unscaled gathered rows
-            rows = torch.index_select(x, 0, src[lo:hi], out=rows_space[:hi - lo]) if need_w or need_scale else None
-            if need_x or need_scale:
+            rows = torch.index_select(x, 0, src[lo:hi], out=rows_space[:hi - lo]) if need_rows else None
+            if need_g_rows:
                 g_rows = g_rows_space[:hi - lo]  # gradient w.r.t. the (scaled) gathered rows
                 for e, gb, block in zip(range(first, end), g_blocks, g_rows.split(sizes)):
                     if gb.numel():
