@@ -96,8 +96,8 @@ class _ExpertLinear(torch.autograd.Function):
         grad_scale = scale.new_empty(scale.shape) if need_scale else None
         chunks = expert_chunks(group_sizes, max(x.size(1), grad_out.size(1)))
         need_rows, need_g_rows = need_w or need_scale, need_x or need_scale  # a buffer not needed: width 0
-        g_space, rows_space, g_rows_space = _workspace(x, chunks, grad_out.size(1), x.size(1) * need_rows,
-                                                       x.size(1) * need_g_rows)
+        (g_space,) = _workspace(grad_out, chunks, grad_out.size(1))
+        rows_space, g_rows_space = _workspace(x, chunks, x.size(1) * need_rows, x.size(1) * need_g_rows)
         for first, end, lo, hi in chunks:
             sizes = group_sizes[first:end]
             g = torch.index_select(grad_out, 0, dst[lo:hi], out=g_space[:hi - lo])  # sorted by expert
