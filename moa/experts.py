@@ -78,7 +78,7 @@ class _ExpertLinear(torch.autograd.Function):
                         block += bias[e]
             (out.index_copy_ if dst_is_permutation else out.index_add_)(0, dst[lo:hi], y)
         ctx.save_for_backward(x, weight, scale, src, dst)
-        ctx.group_sizes = group_sizes
+        ctx.group_sizes, ctx.chunks = group_sizes, chunks
         ctx.has_bias = bias is not None
         ctx.expert_dim = expert_dim
         return out
@@ -94,7 +94,7 @@ class _ExpertLinear(torch.autograd.Function):
         grad_experts = grad_w.unbind(ctx.expert_dim) if need_w else None
         grad_b = [] if need_b and ctx.has_bias else None
         grad_scale = scale.new_empty(scale.shape) if need_scale else None
-        chunks = expert_chunks(group_sizes, max(x.size(1), grad_out.size(1)))
+        chunks = ctx.chunks  # the forward's: grad_out has its output's width
         need_rows, need_g_rows = need_w or need_scale, need_x or need_scale  # a buffer not needed: width 0
         (g_space,) = _workspace(grad_out, chunks, grad_out.size(1))
         rows_space, g_rows_space = _workspace(x, chunks, x.size(1) * need_rows, x.size(1) * need_g_rows)

@@ -97,7 +97,6 @@ def test_a_projection_done_in_chunks_matches_the_naive_loop(monkeypatch):
     want_grads = torch.autograd.grad((want * probe).sum(), (x, weight, bias, scale))
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w)
-    permuted = expert_linear(x, weight, None, src[:8], torch.tensor([3, 0, 2, 1, 7, 6, 5, 4]), [4, 0, 3, 1], 8,
-                             dst_is_permutation=True)
-    torch.testing.assert_close(permuted, _naive(x, weight, None, src[:8], torch.tensor([3, 0, 2, 1, 7, 6, 5, 4]),
-                                                [4, 0, 3, 1], 8))
+    every_row_once = torch.tensor([3, 0, 2, 1, 7, 6, 5, 4])
+    permuted = expert_linear(x, weight, None, src[:8], every_row_once, [4, 0, 3, 1], 8, dst_is_permutation=True)
+    torch.testing.assert_close(permuted, _naive(x, weight, None, src[:8], every_row_once, [4, 0, 3, 1], 8))
