@@ -23,9 +23,9 @@ Sections (each row keyed by model id; the results carry the command, commit and 
   projections in one chunk (``moh-50-one-chunk``: every routed row gathered at once, as before the
   projections were chunked).
 * ``crossover``: one MoH decoding step of a module with every head against the active heads only
-  (``active_heads_min_keys``) by context length, at batch 1 and 8, for the small and base shapes;
-  and the attention of a decoding step's few queries as two matmuls (what ``attention_core`` does for
-  at most ``MATMUL_ATTENTION_MAX_QUERIES`` queries per head) against torch's fused kernel, by key count.
+  (its ``all-heads`` and ``active-heads`` paths) by context length, at batch 1 and 8, for the small
+  and base shapes; and the attention of a decoding step's few queries as two matmuls against torch's
+  fused kernel, by key count: where the paths that :mod:`moa.path_choice` measures cross on this machine.
 """
 
 import argparse
@@ -43,8 +43,7 @@ import moa.experts
 from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
 from moa import routed_attention
 from moa.models.build import build_from_args, dictionary_of_size, model_args
-from moa.moa_attention import MixtureOfAttentionHeads
-from moa.moh_attention import ACTIVE_HEADS_MIN_KEYS, MixtureOfHeadsAttention
+from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routed_attention import STORE, RoutedAttention
 
 SECTIONS = ("decode", "module", "crossover")
@@ -56,7 +55,7 @@ MODELS = {  # id: (label, arch, flags, module settings)
     "moh-50": ("moh_lm_small, 1 shared + top-1 of 3 (50%)", "moh_lm_small",
                ["--moh-shared-heads", "1", "--moh-top-k", "1"], {}),
     "moh-50-all-heads": ("the same, every head computed", "moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k", "1"],
-                         {"active_heads_min_keys": 10 ** 9}),
+                         {"path": "all-heads"}),
 }
 PAPER_MS = {256: {"mha": 0.360, "moh-50": 0.225, "moh-75": 0.321}, 512: {"mha": 1.376, "moh-50": 0.863, "moh-75": 1.180}}
 
@@ -85,7 +84,7 @@ def filled_state(model, bsz, context):
         for name in ("prev_key", "prev_value"):
             if isinstance(attn, RoutedAttention):  # as a store grown step by step holds it
                 fill_store(buffer, name, time_dim, context,
-                           max(routed_attention.CACHE_GROWTH_MIN_STEPS, context // 8))
+                           routed_attention.store_capacity(context) - context)
             else:
                 shape = list(buffer[name].shape)
                 shape[time_dim] = context
@@ -172,7 +171,7 @@ def module_section(seqs, rounds, repeats):
                "moh-50": MixtureOfHeadsAttention(d, heads, 8, 8, self_attention=True).eval(),
                "moh-75": MixtureOfHeadsAttention(d, heads, 8, 16, self_attention=True).eval()}
     for name in ("moh-50", "moh-75"):
-        modules[name].packed_min_tokens = 0  # the routed heads' work only, at every size
+        modules[name].path = "packed"  # the routed heads' work only, at every size
         for p in modules[name].router.parameters():
             torch.nn.init.normal_(p, std=d ** -0.5)
     modules["moh-50-one-chunk"] = modules["moh-50"]  # the same module, its projections unchunked
@@ -243,10 +242,10 @@ def crossover_section(contexts, rounds, repeats):
                 job = decode_step_job(module, bsz, context)
                 times = {"all": [], "active": []}
                 for _ in range(rounds):
-                    for path, min_keys in (("all", 10 ** 9), ("active", 0)):
-                        module.active_heads_min_keys = min_keys
+                    for path in ("all", "active"):
+                        module.path = f"{path}-heads"
                         times[path].append(median_of(job, repeats))
-                module.active_heads_min_keys = ACTIVE_HEADS_MIN_KEYS
+                module.path = None
                 row = {"module": name, "batch": bsz, "context": context,
                        "all_heads_ms": 1e3 * statistics.median(times["all"]),
                        "active_heads_ms": 1e3 * statistics.median(times["active"]),

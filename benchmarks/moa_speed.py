@@ -168,9 +168,10 @@ def moh_grid(device, repeats, shapes):
     modules = {"MHA 16x64": MultiheadAttention(MOH_D_MODEL, MOH_HEADS, self_attention=True).to(device)}
     for name, (shared, top_k) in MOH_CONFIGS.items():
         modules[name] = MixtureOfHeadsAttention(MOH_D_MODEL, MOH_HEADS, shared, top_k, self_attention=True).to(device)
+        modules[name].path = "packed"
         dense = MixtureOfHeadsAttention(MOH_D_MODEL, MOH_HEADS, shared, top_k, self_attention=True).to(device)
         dense.load_state_dict(modules[name].state_dict())
-        dense.compute_all_heads = True
+        dense.path = "all-heads"
         modules[name + ", dense-masked"] = dense
     rows = []
     for seq, bsz in shapes:
@@ -209,16 +210,16 @@ def use_dense_path(module, dense):
     """MoA: every expert in one matmul (dense) or per expert on its rows; MoH: every head computed
     and gated (dense) or the active heads packed, in training and in decoding alike."""
     if isinstance(module, MixtureOfAttentionHeads):
-        module.dense_overhead_macs = 10 ** 18 if dense else 0
+        module.path = "dense" if dense else "routed"
     else:
-        module.compute_all_heads = module.decode_all_heads = dense
+        module.path = "all-heads" if dense else "packed"
 
 
 def crossover(device, repeats, token_counts=(32, 128, 512, 2048, 8192), seq=16):
     """Each routed module's two paths timed in turn (medians of ``repeats`` rounds) at growing token
     counts (sequences of ``seq`` tokens), forward alone (no gradient) and forward+backward, and one
-    incremental decoding step (one query per sentence over ``seq`` cached positions): the measurement
-    behind MoA's ``dense_overhead_macs`` and MoH's ``packed_min_tokens`` and ``decode_all_heads``."""
+    incremental decoding step (one query per sentence over ``seq`` cached positions): where the paths
+    that :mod:`moa.path_choice` chooses between cross on this machine."""
     rows = []
     for name, (dim, build) in CROSSOVER_MODULES.items():
         torch.manual_seed(0)

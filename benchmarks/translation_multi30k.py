@@ -137,9 +137,9 @@ def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200, overrides=N
     model = models[0].eval()
     for module in model.modules():
         if isinstance(module, MixtureOfAttentionHeads):
-            module.dense_overhead_macs = 0
+            module.path = "routed"
         if isinstance(module, MixtureOfHeadsAttention):
-            module.packed_min_tokens = 0
+            module.path = "packed"
     d = task.source_dictionary
     src_lines = list(read_lines(os.path.join(data_dir, "spm", f"val.{src}")))[:pairs]
     tgt_lines = list(read_lines(os.path.join(data_dir, "spm", f"val.{tgt}")))[:pairs]

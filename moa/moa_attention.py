@@ -10,9 +10,9 @@ For a query token x_t routed to experts G(x_t) with gate weights w (see
 
 The attention core is multi-query attention with k routed query heads per
 token; the incremental-decoding cache holds the single shared head, (batch,
-length, D). On large batches only the selected experts' projections are
-computed; small ones (decoding steps) take a dense path with the same output
-(see :meth:`MixtureOfAttentionHeads.takes_dense_path`).
+length, D). In training only the selected experts' projections are computed;
+without autograd (decoding) a dense path with the same output is taken where it is
+measured faster (see :meth:`MixtureOfAttentionHeads.mix`).
 
 The module follows fairseq's ``MultiheadAttention`` contract through
 :class:`~moa.routed_attention.RoutedAttention`.
@@ -26,15 +26,9 @@ from torch import Tensor, nn
 
 from moa.dispatch import ExpertDispatch
 from moa.experts import ExpertLinear
+from moa.path_choice import bucket, fastest
 from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
 from moa.routing import ExpertRouting, TopKRouter
-
-
-# What the routed path's per-expert work (a gather, a matmul launch, a write-back, forward and backward)
-# costs, in multiply-adds of a large matmul's time: fitted to the crossover of the two paths on a 2-core
-# CPU (python -m benchmarks.moa_speed --sections crossover). A GPU's kernel launches cost more
-# multiply-adds; set the module's dense_overhead_macs from the same measurement there.
-DENSE_OVERHEAD_MACS = 5_000_000
 
 
 @with_incremental_state
@@ -75,22 +69,38 @@ class MixtureOfAttentionHeads(RoutedAttention):
         self.k_proj = nn.Linear(kdim or embed_dim, head_dim, bias=bias)
         self.v_proj = nn.Linear(vdim or embed_dim, head_dim, bias=bias)
         self.o_experts = ExpertLinear(num_experts, head_dim, embed_dim, bias)
-        self.dense_overhead_macs = DENSE_OVERHEAD_MACS
         for proj in (self.k_proj, self.v_proj):
             nn.init.xavier_uniform_(proj.weight)
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
+
+    path: Optional[str] = None  # None: chosen per forward (see mix); "routed" or "dense": always that path
 
     def route(self, x: Tensor, padding: Optional[Tensor], aux: bool = True) -> Tuple[ExpertRouting, None]:
         return self.router(x, padding, aux), None
 
     def mix(self, x, routing: ExpertRouting, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
+        """y_t = sum_j w_j o_j W_o^{e_j} by one of two paths with the same output: :meth:`_mix_routed`
+        (each expert's projections on its own rows only) and :meth:`_mix_dense` (every expert's in one
+        matmul, the unselected gated by zero; the only path when k = E). Training takes the routed path:
+        the dense one adds N (E - k) D d_model multiply-adds per projection to save the routed path's
+        per-expert work, which a training batch of thousands of tokens amortises. Without autograd
+        (decoding steps of a few hundred tokens, validation) the faster of the two for this size,
+        measured where it runs (:func:`~moa.path_choice.fastest`); ``self.path`` ("routed" or
+        "dense") pins one."""
+        args = (x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights)
+        if self.top_k == self.num_experts:
+            return self._mix_dense(*args)
+        size = (x.device.type, x.dtype, bucket(x.size(0)), bucket(keys.size(1)), self.num_experts, self.top_k,
+                self.head_dim, self.embed_dim)
+        return fastest("MoA routed or dense", size, {"routed": lambda: self._mix_routed(*args),
+                                                     "dense": lambda: self._mix_dense(*args)}, pinned=self.path)
+
+    def _mix_routed(self, x, routing: ExpertRouting, keys, values, bias, tgt_len, bsz, need_weights,
+                    need_head_weights):
         """The selected experts' queries, multi-query attention over the shared head, and the gated
-        output projections: y_t = sum_j w_j o_j W_o^{e_j}. Small batches (decoding steps) and k = E go
-        through :meth:`_mix_dense` instead (see :meth:`takes_dense_path`)."""
-        if self.takes_dense_path(x.size(0)):
-            return self._mix_dense(x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights)
+        output projections, each expert's projections applied to its own rows only."""
         plan = ExpertDispatch(routing.selected, self.num_experts, tgt_len, bsz)
         # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
         q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows,
@@ -105,36 +115,28 @@ class MixtureOfAttentionHeads(RoutedAttention):
             y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
         return y, weights
 
-    def takes_dense_path(self, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` queries go through :meth:`_mix_dense`: when k = E, or when its extra
-        multiply-adds per projection, N (E - k) D d_model, cost less than the routed path's per-expert
-        work, E times ``dense_overhead_macs``."""
-        extra = num_tokens * (self.num_experts - self.top_k) * self.head_dim * self.embed_dim
-        return self.top_k == self.num_experts or extra < self.dense_overhead_macs * self.num_experts
-
     def _mix_dense(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights):
         """The same output with no per-expert work: every expert's query and output projection as one
-        matmul each (E/k times the routed path's projection FLOPs), and attention for the k selected
-        experts' queries only, one multi-query product over the shared head, as on the routed path
-        (attention over a long cache is then k/E of attending for every expert). The unselected
-        experts' outputs are zero. Weights, when asked for, are the selected experts', in slot order
-        as on the routed path (in expert order when k = E)."""
-        num_tokens, e, d, k = x.size(0), self.num_experts, self.head_dim, self.top_k
-        q = self.q_experts.fan_out(x)  # (N, E, D)
-        if k < e:
-            q = q.gather(1, routing.selected.unsqueeze(-1).expand(-1, -1, d))  # (N, k, D), slot order
-            gates = routing.gates
-        else:  # every expert: attend in expert order
-            gates = routing.gates.new_zeros(num_tokens, e).scatter(1, routing.selected, routing.gates)
-        slots = q.size(1)
-        o, weights = self._attend(q.view(tgt_len, bsz, slots, d).permute(1, 2, 0, 3), keys, values, bias,
-                                  need_weights, need_head_weights)
-        o = o.permute(2, 0, 1, 3).reshape(num_tokens, slots, d) * gates.unsqueeze(-1)  # (N, slots, D), gated
-        if k < e:
-            o = o.new_zeros(num_tokens, e, d).scatter(1, routing.selected.unsqueeze(-1).expand(-1, -1, d), o)
-        y = self.o_experts.fan_in(o)
+        matmul each (E/k times the routed path's projection FLOPs), and attention for every expert's
+        query, the unselected experts' outputs gated by zero. Attending with E queries instead of k costs
+        about the same: every query reads the one shared K/V head, and at E/2 multiply-adds per byte of
+        cache read in float32 (E per byte in bf16) multi-query attention is bound by reading the cache on
+        any CPU or GPU; selecting the k queries first would add a gather and a scatter.
+        Weights, when asked for, are the selected experts', in slot order as on the routed path (in
+        expert order when k = E)."""
+        num_tokens, e, d = x.size(0), self.num_experts, self.head_dim
+        gates = routing.gates.new_zeros(num_tokens, e).scatter(1, routing.selected, routing.gates)  # (N, E)
+        q = self.q_experts.fan_out(x).view(tgt_len, bsz, e, d).permute(1, 2, 0, 3)  # (B, E, T, D)
+        o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights=True)
+        o = (o * gates.view(tgt_len, bsz, e).permute(1, 2, 0).unsqueeze(-1)).permute(2, 0, 1, 3)
+        y = self.o_experts.fan_in(o.reshape(num_tokens, e, d))
         if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
-            y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
+            y = y + gates @ self.o_experts.bias
+        if weights is not None:  # (E, B, T, S), every expert's
+            if self.top_k < e:  # the selected experts', slot by slot: (k, B, T, S)
+                slots = routing.selected.view(tgt_len, bsz, -1).permute(2, 1, 0)  # (k, B, T)
+                weights = weights.gather(0, slots.unsqueeze(-1).expand(-1, -1, -1, weights.size(-1)))
+            weights = weights if need_head_weights else weights.mean(dim=0)
         return y, weights
 
     def _attend(self, q, keys, values, bias, need_weights: bool, need_head_weights: bool):

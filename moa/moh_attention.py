@@ -19,14 +19,10 @@ the batch (not to the sequence length), and attends over that head's keys with a
 the queries' positions (causal and padding masks stay exact). The query and output projections of
 the routed heads go through :func:`~moa.experts.expert_linear`, so an unselected head's W_Q^i and
 W_O^i are never applied to that token. Computing every head and multiplying by the gates (zero for
-unselected heads), as the released code does, is the other path: taken when every routed head is
-active anyway (K = E) or none is (K = 0: the shared heads alone), with ``compute_all_heads``, for
-forwards of fewer than ``packed_min_tokens`` queries, and by default (``decode_all_heads``) for
-incremental decoding over a short cache: with one query per sentence every (sentence, head) group of
-the packed layout holds at most one query, so packing skips no attention work, only the unselected
-heads' query and output projections, and measured it is no faster (docs/speed-and-memory.md). Over a
-cache of at least ``active_heads_min_keys`` keys, where attention over the cache is most of a step, a
-decoding step attends with each sentence's active heads only (:meth:`_decode_active_heads`).
+unselected heads), as the released code does, is the other path, the only one when every routed head
+is active anyway (K = E) or none is (K = 0: the shared heads alone). A decoding step over a long cache
+may also attend with each sentence's active heads only (:meth:`_decode_active_heads`). Training packs;
+without autograd the fastest path for the size is measured where it runs (:meth:`mix`).
 
 ``router="query-norm"`` replaces the learned router with the parameter-free one of converted models
 (:class:`~moa.routing.QueryNormHeadRouter`): it needs every routed head's query to score them, so
@@ -42,16 +38,9 @@ from torch import Tensor, nn
 
 from moa.dispatch import HeadPacking
 from moa.experts import expert_linear
+from moa.path_choice import bucket, fastest
 from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
 from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStageHeadRouter
-
-
-# Below this many query tokens in a forward, computing every head and gating costs less than packing
-# the routed heads' queries (python -m benchmarks.moa_speed --sections crossover, 2-core CPU).
-PACKED_MIN_TOKENS = 1024
-# From this many cached keys on, a decoding step attends over the cache with the active heads only,
-# one (sentence, head) pair at a time (python -m benchmarks.lm_decoding --sections crossover, 2-core CPU).
-ACTIVE_HEADS_MIN_KEYS = 2048
 
 
 @with_incremental_state
@@ -92,10 +81,8 @@ class MixtureOfHeadsAttention(RoutedAttention):
         nn.init.xavier_uniform_(self.out_proj.weight)
         if bias:
             nn.init.constant_(self.out_proj.bias, 0.0)
-        self.compute_all_heads = False
-        self.decode_all_heads = True
-        self.packed_min_tokens = PACKED_MIN_TOKENS
-        self.active_heads_min_keys = ACTIVE_HEADS_MIN_KEYS
+
+    path: Optional[str] = None  # None: chosen per forward (see mix); or "all-heads", "packed", "active-heads"
 
     @property
     def computed_heads(self) -> int:
@@ -118,14 +105,24 @@ class MixtureOfHeadsAttention(RoutedAttention):
 
     def mix(self, x, routing: HeadRouting, queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
-        if decoding and tgt_len == 1 and not (need_weights or need_head_weights or self.compute_all_heads) and \
-                0 < self.top_k < self.router.routed_heads and keys.size(self.time_dim) >= self.active_heads_min_keys:
-            return self._decode_active_heads(x, routing, keys, values, bias, queries), None
-        if self.compute_all_heads or need_head_weights or self.top_k in (0, self.router.routed_heads) or \
-                (self.decode_all_heads and decoding) or x.size(0) < self.packed_min_tokens:
-            return self._mix_all_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights,
-                                       need_head_weights, queries)
-        return self._mix_active_heads(x, routing, keys, values, bias, tgt_len, bsz, need_weights, queries)
+        """The module's output by one of its paths, which agree: ``all-heads`` (:meth:`_mix_all_heads`,
+        the only one when every routed head or none is active, or every head's weights are asked for),
+        ``packed`` (:meth:`_mix_active_heads`) and, for a decoding step of one query per sentence without
+        weights, ``active-heads`` (:meth:`_decode_active_heads`). Training packs (only the active heads'
+        work, the method's point); without autograd the fastest for this size, measured where it runs
+        (:func:`~moa.path_choice.fastest`). ``self.path`` pins one (where it applies)."""
+        args = (x, routing, keys, values, bias)
+        if need_head_weights or self.top_k in (0, self.router.routed_heads):
+            return self._mix_all_heads(*args, tgt_len, bsz, need_weights, need_head_weights, queries)
+        candidates = {"all-heads": lambda: self._mix_all_heads(*args, tgt_len, bsz, need_weights, False, queries),
+                      "packed": lambda: self._mix_active_heads(*args, tgt_len, bsz, need_weights, queries)}
+        step = decoding and tgt_len == 1
+        if step and not need_weights:
+            candidates["active-heads"] = lambda: (self._decode_active_heads(*args, queries), None)
+        size = (x.device.type, x.dtype, bucket(x.size(0)), bucket(keys.size(self.time_dim)), step, self.num_heads,
+                self.shared_heads, self.top_k, self.head_dim)
+        pinned = self.path if self.path in candidates else None if self.path is None else next(iter(candidates))
+        return fastest("MoH paths", size, candidates, training="packed", pinned=pinned)
 
     def _mix_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
                           queries: Optional[Tensor] = None):
@@ -182,8 +179,8 @@ class MixtureOfHeadsAttention(RoutedAttention):
         active heads only: the shared heads and the routed heads it selected. Each (sentence, head) pair
         is a vector-matrix product with its (S, D) slice of the cache, read in place (a gathered copy
         would cost as much as attending for every head), so the work over the cache is the active share
-        of the heads'; the Python loop costs a few microseconds per pair, which a long cache repays
-        (``active_heads_min_keys``). queries: (B, h * D), every head's query when the router computed
+        of the heads'; the Python loop costs a few microseconds per pair, which only a long cache repays
+        (:meth:`mix` measures where). queries: (B, h * D), every head's query when the router computed
         them; keys, values: (B, h, S, D); bias: additive, broadcastable to (B, 1, 1, S), or None."""
         h, h_s, d = self.num_heads, self.shared_heads, self.head_dim
         bsz = x.size(0)

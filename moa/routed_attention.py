@@ -17,14 +17,15 @@ unchanged. :meth:`RoutedAttention.forward` is written once, here:
 5. the subclass's :meth:`~RoutedAttention.mix`: the selected experts' or heads' attention and output.
 
 The attention core itself, softmax(q K^T / sqrt(D) + bias) V with dropout, is :meth:`attention_core`
-(torch's fused ``scaled_dot_product_attention``, except for decoding steps' few queries per head and
-when the weights are asked for). Subclasses supply
+(torch's fused ``scaled_dot_product_attention`` or two matmuls, whichever is faster where it runs;
+see :mod:`moa.path_choice`). Subclasses supply
 ``_project_key_value``, ``route``, ``mix`` and ``head_outputs`` (every head's or expert's attention and
 output contribution, for ``moa-analyze``). After each forward, ``self.routing`` holds the routing
 decision of the queries (unless ``record_routing`` is off, as in the backward's recomputation under
 activation checkpointing); the model hands it to the criterion (``pop_named_routings``).
 """
 
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -32,14 +33,15 @@ import torch.nn.functional as F
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
+from moa.path_choice import bucket, fastest
 from moa.routing import Routing
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
-MATMUL_ATTENTION_MAX_QUERIES = 4  # per head; see RoutedAttention.attention_core
 ATTN_STATE = "attn_state"  # the incremental-state buffer of the key/value cache
 PER_SENTENCE = "attn_state_per_sentence"  # ... and of a beam-folded source cache
 STORE = "_store"  # the preallocated tensor a cached key/value is the front of (append_to_cache)
-CACHE_GROWTH_MIN_STEPS = 64  # the fewest decoding steps a growing key/value store makes room for
+SPARE = "_spare"  # flat memory the next beam reorder writes the cache into (reorder_cache)
+CACHE_GROWTH_MIN_STEPS = 8  # the fewest positions a new store makes room for beyond those it holds
 
 
 class RoutedAttention(nn.Module):
@@ -177,17 +179,27 @@ class RoutedAttention(nn.Module):
     def attention_core(self, q: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor],
                        need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
         """softmax(q K^T * scaling + bias) V, with attention dropout in training: torch's fused
-        ``scaled_dot_product_attention``, or two matmuls and a softmax for the few queries per head
-        of a decoding step (at most ``MATMUL_ATTENTION_MAX_QUERIES``; measured faster there on CPU,
-        and level with the fused kernel over caches of up to 4,096 keys) and when the weights are asked for.
+        ``scaled_dot_product_attention`` (training), or two matmuls and a softmax (when the weights are
+        asked for); without autograd, whichever of the two is faster for this shape on this machine
+        (:func:`~moa.path_choice.fastest`: on CPUs the two matmuls have been faster for a decoding
+        step's few queries on some processors and slower on others).
 
         q: (B, H, L, D); keys, values: (B, H or 1, S, D); bias: additive, broadcastable to
         (B, H, L, S), or None. Returns o (B, H, L, D) and, with ``need_weights``, the probabilities
         (B, H, L, S) (before dropout)."""
-        if not need_weights and q.size(-2) > MATMUL_ATTENTION_MAX_QUERIES:
-            dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
-                                                  scale=self.scaling), None
+        if need_weights:
+            return self._matmul_attention(q, keys, values, bias, need_weights)
+        size = (q.device.type, q.dtype, bucket(q.size(0)), q.size(1), keys.size(1), bucket(q.size(-2)),
+                bucket(keys.size(-2)), q.size(-1), keys.is_contiguous(), bias is None or tuple(bias.shape[1:3]))
+        return fastest("attention", size, {"fused": lambda: self._fused_attention(q, keys, values, bias),
+                                           "matmul": lambda: self._matmul_attention(q, keys, values, bias, False)})
+
+    def _fused_attention(self, q, keys, values, bias):
+        dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
+                                              scale=self.scaling), None
+
+    def _matmul_attention(self, q, keys, values, bias, need_weights):
         probs = attention_probs(q, keys, bias, self.scaling)
         return torch.matmul(self.dropout_module(probs), values), probs if need_weights else None
 
@@ -246,12 +258,14 @@ class RoutedAttention(nn.Module):
                 continue
             beam = self.beam_size if name == PER_SENTENCE else 1
             for key, cached in list(buffer.items()):
-                if cached is None or key + STORE in buffer or \
+                if cached is None or key.endswith((STORE, SPARE)) or \
                         cached.size(0) * beam == new_order.size(0) != cached.size(0):
-                    continue  # a view of its store (below), or per sentence with every hypothesis staying
-                buffer[key] = cached.index_select(0, new_order.view(-1, beam)[:, 0] // beam if beam > 1 else new_order)
-            for key in [k for k in buffer if k + STORE in buffer]:  # the cache is the front of its reordered store
-                buffer[key] = buffer[key + STORE].narrow(self.time_dim, 0, buffer[key].size(self.time_dim))
+                    continue  # a store (moved with its cache), or per sentence with every hypothesis staying
+                order = new_order.view(-1, beam)[:, 0] // beam if beam > 1 else new_order
+                if key in ("prev_key", "prev_value") and not self.encoder_decoder_attention:  # grows step by step
+                    reorder_cache(buffer, key, order, self.time_dim)
+                else:
+                    buffer[key] = cached.index_select(0, order)
             incremental_state = self.set_incremental_state(incremental_state, name, buffer)
         return incremental_state
 
@@ -265,9 +279,10 @@ class RoutedAttention(nn.Module):
 
 def append_to_cache(saved: Dict[str, Optional[Tensor]], name: str, new: Tensor, time_dim: int) -> Tensor:
     """``saved[name]`` with ``new`` appended on ``time_dim``, stored as the front of a preallocated
-    tensor (``saved[name + STORE]``) that grows by at least an eighth at a time: a decoding step writes
-    only its own keys and values, where concatenating would copy the whole cache every step. Under
-    autograd (which in-place writes would break) it concatenates, as fairseq's attention does."""
+    tensor (``saved[name + STORE]``): a decoding step writes only its own keys and values, where
+    concatenating would copy the whole cache every step. A full store is replaced by one with
+    :func:`store_capacity`. Under autograd (which in-place writes would break) it concatenates, as
+    fairseq's attention does."""
     prev = saved[name]
     store = saved.pop(name + STORE, None)
     if torch.is_grad_enabled() and (prev.requires_grad or new.requires_grad):
@@ -275,15 +290,57 @@ def append_to_cache(saved: Dict[str, Optional[Tensor]], name: str, new: Tensor, 
         return saved[name]
     length, steps = prev.size(time_dim), new.size(time_dim)
     if store is None or store.size(time_dim) < length + steps or store.dtype != new.dtype:
-        capacity = length + steps + max(CACHE_GROWTH_MIN_STEPS, (length + steps) // 8)
-        shape = list(prev.shape)
-        shape[time_dim] = capacity
-        store = new.new_empty(shape)
+        store = _new_store(prev, time_dim, store_capacity(length + steps))
         store.narrow(time_dim, 0, length).copy_(prev)
     store.narrow(time_dim, length, steps).copy_(new)
     saved[name + STORE] = store
     saved[name] = store.narrow(time_dim, 0, length + steps)
     return saved[name]
+
+
+def store_capacity(length: int) -> int:
+    """The positions a new store for ``length`` cached ones holds: an eighth more, and at least
+    ``CACHE_GROWTH_MIN_STEPS`` more, so that a long cache leaves at most a ninth of its store unused
+    and, amortised, a step copies at most eight positions of an old store into a new one."""
+    return length + max(CACHE_GROWTH_MIN_STEPS, length // 8)
+
+
+def reorder_cache(buffer: Dict[str, Optional[Tensor]], name: str, order: Tensor, time_dim: int) -> None:
+    """Beam search's reorder of the cache ``buffer[name]``, the front of its store (:func:`append_to_cache`).
+
+    A reorder reads and writes the whole cache whatever the layout, so it writes the reordered cache
+    into a contiguous store of exactly one more position, which the step that follows (beam search
+    appends one) fills: attention then reads a contiguous cache, where a store with headroom gives
+    strided matrices that torch's batched matmul on CPU reads 1.3x-2.5x as slowly
+    (docs/speed-and-memory.md). The new store is made in the memory the store before last used
+    (``buffer[name + SPARE]``, flat), so that steps alternate between two buffers and allocate nothing
+    once warm. Each step copies the cache once, where fairseq's attention copies it twice (its reorder,
+    then its concatenation)."""
+    front = buffer[name]
+    if torch.is_grad_enabled() and front.requires_grad:  # autograd: no in-place writes (as append_to_cache)
+        buffer[name] = front.index_select(0, order)
+        return
+    shape = list(front.shape)
+    shape[0], shape[time_dim] = order.size(0), shape[time_dim] + 1
+    size = math.prod(shape)
+    spare = buffer.pop(name + SPARE, None)
+    if spare is None or spare.numel() < size or spare.dtype != front.dtype or spare.device != front.device:
+        spare = front.new_empty(size // shape[time_dim] * store_capacity(shape[time_dim]))
+    store = spare[:size].view(shape)
+    target = store.narrow(time_dim, 0, front.size(time_dim))
+    torch.index_select(front, 0, order, out=target)  # in place: the target has the result's shape
+    old = buffer.get(name + STORE)
+    if old is not None:  # all the memory it was made in
+        buffer[name + SPARE] = (old if old._base is None else old._base).view(-1)
+    buffer[name + STORE], buffer[name] = store, target
+
+
+def _new_store(like: Tensor, time_dim: int, capacity: int, batch: Optional[int] = None) -> Tensor:
+    shape = list(like.shape)
+    shape[time_dim] = capacity
+    if batch is not None:
+        shape[0] = batch
+    return like.new_empty(shape)
 
 
 def cat_padding(prev: Optional[Tensor], new: Optional[Tensor], bsz: int, prev_len: int, new_len: int):

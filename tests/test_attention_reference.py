@@ -3,17 +3,13 @@
 import pytest
 import torch
 
-from moa import moa_attention
 from moa.moa_attention import MixtureOfAttentionHeads
-
-ALWAYS_DENSE, ALWAYS_ROUTED = 10 ** 18, 0  # values of dense_overhead_macs
-
 
 @pytest.fixture(params=["routed", "dense"])
 def both_paths(request, monkeypatch):
-    """Build the modules of a test with the routed path (per-expert projections) or the dense one
-    (every expert in one matmul), whatever their token count."""
-    monkeypatch.setattr(moa_attention, "DENSE_OVERHEAD_MACS", ALWAYS_ROUTED if request.param == "routed" else ALWAYS_DENSE)
+    """Run the modules of a test on the routed path (per-expert projections) or the dense one (every
+    expert in one matmul), whatever their token count and mode."""
+    monkeypatch.setattr(MixtureOfAttentionHeads, "path", request.param)
     return request.param
 
 
@@ -143,7 +139,7 @@ def test_attention_weights_are_averaged_over_selected_experts(both_paths):
 def test_projections_run_only_on_routed_rows(monkeypatch):
     """Each expert matmul sees exactly the rows routed to it: N*k rows in all, not N*E."""
     m = _module(8, 2, self_attention=True)
-    m.dense_overhead_macs = ALWAYS_ROUTED
+    m.path = "routed"
     x = torch.randn(6, 3, 16, dtype=torch.double)
     seen = []
     original = type(m.q_experts).forward
@@ -166,7 +162,7 @@ def test_forward_flops_do_not_grow_with_the_number_of_experts(num_experts):
     torch.manual_seed(0)
     d, k, head, T, B = 32, 2, 8, 5, 3
     m = MixtureOfAttentionHeads(d, num_experts, k, head, self_attention=True)
-    m.dense_overhead_macs = ALWAYS_ROUTED
+    m.path = "routed"
     x = torch.randn(T, B, d)
     with FlopCounterMode(display=False) as counter:  # the weights path: attention as plain matmuls
         m(x, x, x, need_weights=True)
@@ -176,27 +172,6 @@ def test_forward_flops_do_not_grow_with_the_number_of_experts(num_experts):
                 + 2 * n * d * head * 2            # shared W_k, W_v
                 + 2 * B * k * T * T * head * 2)   # q K^T and attention @ V
     assert counter.get_total_flops() == expected
-
-
-@pytest.mark.parametrize("tokens, dense", [(4, True), (64, False)])
-def test_the_dense_path_serves_small_batches(monkeypatch, tokens, dense):
-    """While the dense path's extra multiply-adds, N (E - k) D d_model, stay below E times
-    dense_overhead_macs, the projections run as one matmul over every expert; from there on, per
-    expert on the routed rows only. Both give the same output."""
-    m = _module(8, 2, self_attention=True)
-    m.dense_overhead_macs = 64 * 6 * 8 * 16 // 8  # the extra work of 64 tokens, per expert
-    assert m.takes_dense_path(63) and not m.takes_dense_path(64)
-    calls = []
-    monkeypatch.setattr(moa_attention.ExpertDispatch, "__init__",
-                        lambda self, *a, __f=moa_attention.ExpertDispatch.__init__: calls.append(1) or __f(self, *a))
-    x = torch.randn(tokens, 1, 16, dtype=torch.double)
-    with torch.no_grad():
-        y, _ = m(x, x, x)
-        assert len(calls) == (0 if dense else 1)  # the routed path plans a dispatch, the dense one does not
-        m.dense_overhead_macs = ALWAYS_ROUTED if dense else ALWAYS_DENSE  # the other path
-        other, _ = m(x, x, x)
-    assert len(calls) == 1
-    torch.testing.assert_close(y, other)
 
 
 def test_bad_configuration_is_refused():

@@ -12,6 +12,7 @@ from helpers import build_model
 from moa.models.routed_transformer import pop_named_routings
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
+from moa.routed_attention import CACHE_GROWTH_MIN_STEPS
 
 MOA = ["--moa-experts", "4", "--moa-head-dim", "8", "--moa-router-init", "normal"]
 MOH = ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--moh-shared-heads", "1"]
@@ -43,10 +44,9 @@ def tiny_decoding_model(model_id):
     model = build_model(arch, 40, shape + extra).eval()
     for module in model.modules():
         if isinstance(module, MixtureOfHeadsAttention):
-            module.decode_all_heads = not sparse
-            module.packed_min_tokens = 0 if sparse else 10 ** 9
+            module.path = "packed" if sparse else "all-heads"
         if isinstance(module, MixtureOfAttentionHeads):
-            module.dense_overhead_macs = 0 if sparse else 10 ** 18
+            module.path = "routed" if sparse else "dense"
     return model
 
 
@@ -181,3 +181,32 @@ def test_beam_search_with_per_sentence_source_cache_equals_one_copy_per_hypothes
     plain = greedy.generate([model], greedy_sample)
     for a, b in zip(after_beam, plain):
         assert torch.equal(a[0]["tokens"], b[0]["tokens"])
+
+
+@pytest.mark.parametrize("module", ["moa", "moh"])
+def test_a_beam_reorder_leaves_a_contiguous_cache_in_one_of_two_buffers(module):
+    """After each reorder the cache is written into a store of one more position, which the next step
+    fills: attention reads a contiguous cache; once the spare memory has grown, the steps alternate
+    between two buffers and allocate nothing; the outputs equal decoding without reorders."""
+    torch.manual_seed(0)
+    m = (MixtureOfAttentionHeads(16, 4, 2, 8, self_attention=True) if module == "moa" else
+         MixtureOfHeadsAttention(16, 4, 1, 1, self_attention=True)).eval()
+    x = torch.randn(12, 3, 16)
+    identity = torch.arange(3)
+    state, plain, memory, outputs = {}, {}, [], []
+    with torch.no_grad():
+        for t in range(12):
+            if t:
+                m.reorder_incremental_state(state, identity)
+            y, _ = m(x[t:t + 1], x[t:t + 1], x[t:t + 1], incremental_state=state, need_weights=False)
+            outputs.append(y)
+            expected, _ = m(x[t:t + 1], x[t:t + 1], x[t:t + 1], incremental_state=plain, need_weights=False)
+            torch.testing.assert_close(y, expected)
+            cache = m._get_input_buffer(state)
+            if t:
+                assert cache["prev_key"].is_contiguous() and cache["prev_value"].is_contiguous()
+                assert cache["prev_key"].size(m.time_dim) == t + 1
+            memory.append(cache["prev_key"].untyped_storage().data_ptr())
+    # the spare memory made at step 2 holds CACHE_GROWTH_MIN_STEPS more positions: till then, two buffers
+    window = memory[2:2 + CACHE_GROWTH_MIN_STEPS]
+    assert len(set(window)) == 2 and window[::2] == [window[0]] * (len(window) // 2)

@@ -17,6 +17,7 @@ from moa.models.build import build_from_args, dictionary_of_size, model_args
 from moa.models.routed_transformer import pop_named_routings
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
+from moa.routed_attention import store_capacity
 from moa_tools.moh_conversion import convert
 
 TINY_LM = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
@@ -82,16 +83,16 @@ def test_a_moa_k_out_of_range_in_one_layer_is_named():
 
 MOA = ["--moa-experts", "4", "--moa-head-dim", "8", "--moa-router-init", "normal", "--moa-top-k-per-layer", "1,2,4"]
 PATHS = {  # id: (arch, flags, module attribute -> value)
-    "moa-dense-projections": ("moa_lm_small", MOA, {"dense_overhead_macs": 10 ** 18}),
-    "moa-routed": ("moa_lm_small", MOA, {"dense_overhead_macs": 0}),
+    "moa-dense-projections": ("moa_lm_small", MOA, {"path": "dense"}),
+    "moa-routed": ("moa_lm_small", MOA, {"path": "routed"}),
     "moh-all-heads": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k-per-layer", "1,2,3"],
-                      {"active_heads_min_keys": 10 ** 9}),
+                      {"path": "all-heads"}),
     "moh-active-heads-over-the-cache": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k-per-layer", "1,2,3"],
-                                        {"active_heads_min_keys": 0}),
+                                        {"path": "active-heads"}),
     "moh-query-norm-active-heads": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k", "2", "--moh-router",
-                                                     "query-norm"], {"active_heads_min_keys": 0}),
+                                                     "query-norm"], {"path": "active-heads"}),
     "moh-no-shared-head-active-heads": ("moh_lm_small", ["--moh-shared-heads", "0", "--moh-top-k", "2"],
-                                        {"active_heads_min_keys": 0}),
+                                        {"path": "active-heads"}),
 }
 
 
@@ -141,7 +142,12 @@ def test_the_cache_grows_in_place_and_keeps_its_length():
             buffer = model.decoder.layers[0].self_attn._get_input_buffer(state)
             stores.add(buffer["prev_key_store"].data_ptr() if "prev_key_store" in buffer else None)
             assert buffer["prev_key"].shape == (2, t + 1, 8)
-    assert len(stores - {None}) == 2  # one store made at the second step, one growth past 65 steps
+    capacities, length = [], 2  # a store is made at the second step, and again each time it is full
+    while length <= tokens.size(1):
+        capacities.append(store_capacity(length))
+        length = capacities[-1] + 1
+    assert len(stores - {None}) == len(capacities)
+    assert buffer["prev_key_store"].size(1) == capacities[-1]
 
 
 def test_moa_cross_entropy_is_fairseqs_cross_entropy_plus_the_routers_terms():

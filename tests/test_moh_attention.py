@@ -7,7 +7,6 @@ import pytest
 import torch
 from fairseq.modules.multihead_attention import MultiheadAttention
 
-from moa import moh_attention
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routing import TwoStageHeadRouter
 
@@ -16,7 +15,7 @@ from moa.routing import TwoStageHeadRouter
 def both_paths(request, monkeypatch):
     """Build the modules of a test with the packed path for the routed heads, or with every head
     computed and gated, whatever their token count (K = 0 and K = E always take the second)."""
-    monkeypatch.setattr(moh_attention, "PACKED_MIN_TOKENS", 0 if request.param == "packed" else 10 ** 9)
+    monkeypatch.setattr(MixtureOfHeadsAttention, "path", "packed" if request.param == "packed" else "all-heads")
     return request.param
 
 
@@ -178,11 +177,11 @@ def test_query_norm_router_matches_the_reference_with_padding_causal_masks_and_c
 
 def test_active_heads_path_equals_computing_every_head():
     m = _module(8, 2, 3, self_attention=True)
-    m.packed_min_tokens = 0
+    m.path = "packed"
     x = torch.randn(11, 4, 24, dtype=torch.double)
     future = torch.triu(torch.full((11, 11), float("-inf"), dtype=torch.double), 1)
     sparse, sparse_weights = m(x, x, x, attn_mask=future, need_weights=True)
-    m.compute_all_heads = True
+    m.path = "all-heads"
     dense, dense_weights = m(x, x, x, attn_mask=future, need_weights=True)
     torch.testing.assert_close(sparse, dense)
     torch.testing.assert_close(sparse_weights, dense_weights)

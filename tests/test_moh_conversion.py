@@ -110,12 +110,11 @@ def test_query_norm_router_selects_the_largest_query_and_sparse_equals_dense(tra
     torch.manual_seed(3)
     x = torch.randn(7, 2, 32, dtype=torch.float64, requires_grad=True)
     attn = attn.double()
-    attn.packed_min_tokens = 0  # the packed path at any size, against computing every head
     q = torch.nn.functional.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(7, 2, 4, 8)
     expected_heads = q[..., 1:, :].norm(dim=-1).argmax(dim=-1).reshape(-1)  # routed heads 1..3 -> 0..2
     outputs, grads = [], []
     for dense in (False, True):
-        attn.compute_all_heads = dense
+        attn.path = "all-heads" if dense else "packed"
         y, _ = attn(x, x, x)
         assert torch.equal(attn.routing.selected[:, 0], expected_heads)
         assert torch.equal(attn.routing.gates, torch.ones(14, 1, dtype=torch.float64))

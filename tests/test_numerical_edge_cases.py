@@ -126,9 +126,9 @@ def test_one_token_and_long_sequences_match_the_reference(length):
     y, _ = m(x, x, x)
     torch.testing.assert_close(y[:3], reference_moa(m, x[:3], x, x))
     h = _moh(dtype=torch.float64)
-    h.packed_min_tokens = 0  # the packed path at any size, against computing every head
+    h.path = "packed"  # against computing every head
     y_sparse, _ = h(x, x, x)
-    h.compute_all_heads = True
+    h.path = "all-heads"
     y_dense, _ = h(x, x, x)
     torch.testing.assert_close(y_sparse, y_dense)
 
