@@ -11,14 +11,15 @@ attention layout each assignment reads and writes:
 * :class:`HeadPacking` (MoH): the routed queries packed per (batch row, head), each head attending over
   its own K/V, in time order and padded to the longest group of the batch.
 
-The block sizes are Python ints (one host synchronisation per plan), so nothing inside the expert
-projections waits on the device.
+MoA's plan computes the block sizes on the device (:class:`~moa.experts.GroupSizes`): read on the host
+only by the loop implementation of the projections, once per plan, never by the grouped one. MoH's
+plan reads its sizes on the host once (the packed layout's length is a shape).
 """
-
-from typing import List
 
 import torch
 from torch import Tensor
+
+from moa.experts import GroupSizes
 
 
 class ExpertDispatch:
@@ -29,17 +30,20 @@ class ExpertDispatch:
     token ``token[p]``, and row ``slot_row[p]`` of the attention layout
     (batch, k, tgt_len) flattened, i.e. ``(b * k + j) * tgt_len + t``; ``order[p]``
     is the assignment index n * k + j itself.
-    ``group_sizes`` holds the E block lengths (one host sync per module).
+    ``group_sizes`` holds the E block lengths, counted on the device (no host read here), and
+    ``expert[p]`` the expert of assignment p; every shape is static, so the plan compiles whole.
     """
 
     def __init__(self, experts: Tensor, num_experts: int, tgt_len: int, bsz: int):
         num_tokens, top_k = experts.shape
-        self.order = order = experts.reshape(-1).argsort(stable=True)  # sorted position -> assignment
+        flat = experts.reshape(-1)
+        self.order = order = flat.argsort(stable=True)  # sorted position -> assignment
+        self.expert = flat[order]
         self.token = order // top_k
         slot = order % top_k
         t, b = self.token // bsz, self.token % bsz
         self.slot_row = (b * top_k + slot) * tgt_len + t
-        self.group_sizes: List[int] = torch.bincount(experts.reshape(-1), minlength=num_experts).tolist()
+        self.group_sizes = GroupSizes(_count(flat, num_experts))
         self.num_tokens = num_tokens
         self.num_slot_rows = num_tokens * top_k
 
@@ -62,9 +66,10 @@ class HeadPacking:
         t, b = token // bsz, token % bsz
         group = b * num_heads + flat
         by_group = group.argsort(stable=True)  # within a group: token order, i.e. time order
-        counts = torch.bincount(group, minlength=bsz * num_heads)
-        sizes = torch.cat([counts.max().view(1), torch.bincount(flat, minlength=num_heads)]).tolist()
-        self.length, self.group_sizes = sizes[0], sizes[1:]
+        counts = _count(group, bsz * num_heads)
+        head_counts = _count(flat, num_heads)
+        sizes = torch.cat([counts.max().view(1), head_counts]).tolist()  # the plan's one host read
+        self.length, self.group_sizes = sizes[0], GroupSizes(head_counts, sizes[1:])
         sorted_group = group[by_group]
         rank = torch.arange(flat.numel(), device=heads.device) - (counts.cumsum(0) - counts)[sorted_group]
         packed_row = torch.empty_like(flat)
@@ -73,7 +78,14 @@ class HeadPacking:
         position[packed_row] = t
         self.position = position.view(bsz, num_heads, self.length)
         self.order = flat.argsort(stable=True)  # by head, for the projections
+        self.expert = flat[self.order]
         self.token = token[self.order]
         self.packed_row = packed_row[self.order]
         self.batch_time_row = (b * tgt_len + t)[self.order]  # row of (bsz * tgt_len) weights
         self.num_packed_rows = bsz * num_heads * self.length
+
+
+def _count(values: Tensor, size: int) -> Tensor:
+    """(size,) occurrences of each of 0..size-1 in ``values``; ``torch.bincount`` would read the values'
+    range on the host first (on CUDA)."""
+    return torch.zeros(size, dtype=torch.long, device=values.device).scatter_add_(0, values, torch.ones_like(values))

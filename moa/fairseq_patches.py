@@ -1,6 +1,6 @@
 """Every change the plugin makes to fairseq (and to torch's loader), in one place.
 
-fairseq 0.12 has no hooks for what follows, so the plugin replaces nine of its attributes when it is
+fairseq 0.12 has no hooks for what follows, so the plugin replaces eleven of its attributes when it is
 imported, each by a function or class that wraps fairseq's own:
 
 ========================================================  ==========================================
@@ -24,13 +24,19 @@ replaced                                                  why
 ``fairseq.checkpoint_utils.load_checkpoint``              a damaged checkpoint_last.pt resumes from
                                                           the newest complete one; a finished run
                                                           stays finished
+``fairseq.distributed.utils.call_main``                   ``--bf16`` trains on the GPU or CPU without
+                                                          torch_xla (fairseq takes it to mean a TPU)
+``fairseq.models.fairseq_model.BaseFairseqModel``         ``--bf16`` inference (generate, interactive,
+``.prepare_for_inference_``                               eval-lm) runs in bfloat16, as ``--fp16``
+                                                          runs in float16
 ``fairseq.data.token_block_dataset.np``,                  numpy 2 has no ``np.compat.long``, which
 ``fairseq.data.language_pair_dataset.np``                 these two modules name (fairseq-interactive
                                                           on a language model failed): their numpy
                                                           gains it, numpy itself is left alone
 ========================================================  ==========================================
 
-:mod:`moa.crash_safe_training` explains the checkpoint and batch patches.
+:mod:`moa.crash_safe_training` explains the checkpoint and batch patches, :mod:`moa.precision` the
+bfloat16 ones.
 
 It also registers with torch's weights-only unpickler exactly the classes fairseq checkpoints hold
 (:func:`~moa.checkpoint_safety.fairseq_checkpoint_globals`), and undoes a side effect of importing
@@ -58,7 +64,7 @@ class Patch(NamedTuple):
 
 
 def _patches():
-    from moa import checkpoint_safety, crash_safe_training, distributed
+    from moa import checkpoint_safety, crash_safe_training, distributed, precision
 
     return [
         Patch("fairseq.checkpoint_utils", "load_checkpoint_to_cpu", checkpoint_safety.checked_checkpoint_loader,
@@ -77,6 +83,10 @@ def _patches():
               "checkpoint copies are atomic and flushed"),
         Patch("fairseq.checkpoint_utils", "load_checkpoint", crash_safe_training.resuming_past_damage,
               "a damaged checkpoint_last.pt resumes from the newest complete one; a finished run stays finished"),
+        Patch("fairseq.distributed.utils", "call_main", precision.call_main_without_xla,
+              "--bf16 trains on the GPU or CPU without torch_xla (fairseq takes it to mean a TPU)"),
+        Patch("fairseq.models.fairseq_model", "BaseFairseqModel.prepare_for_inference_",
+              precision.prepare_for_inference_in_bf16, "--bf16 inference runs in bfloat16"),
         Patch("fairseq.data.token_block_dataset", "np", numpy_with_compat_long,
               "numpy 2 dropped np.compat.long, which fairseq-interactive's language-model path names"),
         Patch("fairseq.data.language_pair_dataset", "np", numpy_with_compat_long,

@@ -104,13 +104,13 @@ class MixtureOfAttentionHeads(RoutedAttention):
         plan = ExpertDispatch(routing.selected, self.num_experts, tgt_len, bsz)
         # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
         q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows,
-                           dst_is_permutation=True)
+                           dst_is_permutation=True, experts=plan.expert)
         q = q.view(bsz, self.top_k, tgt_len, self.head_dim)
         o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights)
         # The gate scales each gathered row inside the projection.
         gates = routing.gates.reshape(-1)[plan.order]
         y = self.o_experts(o.reshape(plan.num_slot_rows, self.head_dim), plan.slot_row, plan.token,
-                           plan.group_sizes, plan.num_tokens, scale=gates, add_bias=False)
+                           plan.group_sizes, plan.num_tokens, scale=gates, add_bias=False, experts=plan.expert)
         if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
             y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
         return y, weights

@@ -149,7 +149,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
                 q_weight = self.q_proj.weight[h_s * d:].view(e, d, -1).transpose(1, 2)  # (E, C, D), a view
                 q_bias = None if self.q_proj.bias is None else self.q_proj.bias[h_s * d:].view(e, d)
                 q = expert_linear(x, q_weight, q_bias, plan.token, plan.packed_row, plan.group_sizes,
-                                  plan.num_packed_rows)
+                                  plan.num_packed_rows, experts=plan.expert)
             else:
                 selected = queries.view(x.size(0), self.num_heads, d)[plan.token,
                                                                      h_s + routing.selected.reshape(-1)[plan.order]]
@@ -160,7 +160,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
             o_weight = self.out_proj.weight[:, h_s * d:].view(-1, e, d).permute(1, 2, 0)  # (E, D, C), a view
             gates = routing.gates.reshape(-1)[plan.order]
             routed = expert_linear(o.reshape(-1, d), o_weight, None, plan.packed_row, plan.token, plan.group_sizes,
-                                   x.size(0), scale=gates)
+                                   x.size(0), scale=gates, experts=plan.expert)
             if y is None:  # no shared heads
                 y = routed if self.out_proj.bias is None else routed + self.out_proj.bias
             else:

@@ -23,7 +23,7 @@ the routed heads, weighted by a second stage that mixes the two groups (see its 
 """
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, Optional
+from typing import ClassVar, Dict, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -166,9 +166,11 @@ def router_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _token_count(probs: Tensor, keep: Optional[Tensor]) -> Tensor:
+def _token_count(probs: Tensor, keep: Optional[Tensor]) -> Union[Tensor, float]:
+    """The real tokens, at least 1: a Python number when none is padding (a tensor made from it would be a
+    host-to-device copy on a GPU), else counted on the device."""
     if keep is None:
-        return probs.new_tensor(float(probs.size(0))).clamp(min=1.0)
+        return float(max(probs.size(0), 1))
     return keep.sum().clamp(min=1.0)
 
 
@@ -231,7 +233,7 @@ class HeadRouting(Routing):
         return self.learned and bool(cfg.moh_beta)
 
     def figures(self) -> Dict[str, Tensor]:
-        return {**super().figures(), "active": torch.tensor(self.active_fraction),
+        return {**super().figures(), "active": self.mean_alpha_shared.new_full((), self.active_fraction),
                 "alpha1": self.mean_alpha_shared.detach()}
 
 
@@ -392,6 +394,6 @@ class QueryNormHeadRouter(nn.Module):
                 probs = None
         if not aux:
             return HeadRouting(heads, routed, None, None, shared, None, None, self.active_fraction, learned=False)
-        alpha = torch.tensor(1.0 if self.shared_heads else 0.0, device=device)
+        alpha = torch.full((), 1.0 if self.shared_heads else 0.0, device=device)
         return HeadRouting(heads, routed, load, probs, shared, torch.zeros((), device=device), alpha,
                            self.active_fraction, learned=False)

@@ -1,5 +1,6 @@
 """The fused gather -> expert matmul -> scatter-add autograd function."""
 
+import pytest
 import torch
 
 from moa.dispatch import ExpertDispatch
@@ -59,7 +60,7 @@ def test_gradcheck():
 def test_dispatch_groups_by_expert_and_maps_to_the_attention_layout():
     experts = torch.tensor([[2, 0], [1, 2], [0, 1]])  # tokens n = t * bsz + b with tgt_len 3, bsz 1
     plan = ExpertDispatch(experts, num_experts=4, tgt_len=3, bsz=1)
-    assert plan.group_sizes == [2, 2, 2, 0]
+    assert plan.group_sizes.counts.tolist() == [2, 2, 2, 0] and plan.expert.tolist() == [0, 0, 1, 1, 2, 2]
     sorted_experts = experts.reshape(-1)[plan.token * 2 + (plan.slot_row // 3)]
     assert sorted_experts.tolist() == [0, 0, 1, 1, 2, 2]
     # the (b=0, slot j, t) layout row of every assignment is unique and in range
@@ -100,3 +101,59 @@ def test_a_projection_done_in_chunks_matches_the_naive_loop(monkeypatch):
     every_row_once = torch.tensor([3, 0, 2, 1, 7, 6, 5, 4])
     permuted = expert_linear(x, weight, None, src[:8], every_row_once, [4, 0, 3, 1], 8, dst_is_permutation=True)
     torch.testing.assert_close(permuted, _naive(x, weight, None, src[:8], every_row_once, [4, 0, 3, 1], 8))
+
+
+def _case(dtype, seed=4):
+    """Inputs with an empty expert, a repeated destination row and group sizes that are no multiple of 16."""
+    torch.manual_seed(seed)
+    group_sizes = [5, 0, 19, 1, 7]
+    m = sum(group_sizes)
+    x = torch.randn(23, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(5, 16, 8, dtype=dtype, requires_grad=True)
+    bias = torch.randn(5, 8, dtype=dtype, requires_grad=True)
+    scale = torch.rand(m, dtype=dtype, requires_grad=True)
+    src = torch.randint(0, 23, (m,))
+    dst = torch.randint(0, 30, (m,))
+    return (x, weight, bias, scale), src, dst, group_sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("alignment", [1, 16])
+def test_the_grouped_gemm_equals_the_loop_with_empty_and_unaligned_groups(dtype, alignment):
+    """The contract of expert_linear, by torch's grouped GEMM (what CUDA takes in bfloat16; on CPU torch
+    runs it group by group) and by the loop: the same outputs and gradients, also with every group padded
+    to 16 rows as on CUDA."""
+    from moa import experts
+
+    inputs, src, dst, sizes = _case(dtype)
+    x, weight, bias, scale = inputs
+    loop = expert_linear(x, weight, bias, src, dst, sizes, 30, scale=scale, method="loop")
+    flat_experts = torch.repeat_interleave(torch.arange(5), torch.tensor(sizes))
+    grouped = experts._grouped_expert_linear(x, weight, bias, src, dst, torch.tensor(sizes), flat_experts, 30,
+                                             scale, False, 0, alignment)
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    torch.testing.assert_close(grouped, loop, **tolerance)
+    probe = torch.randn_like(loop)
+    for a, b in zip(torch.autograd.grad((grouped * probe).sum(), inputs), torch.autograd.grad((loop * probe).sum(), inputs)):
+        torch.testing.assert_close(a, b, **tolerance)
+
+
+def test_bf16_blocks_padded_for_the_cpu_kernels_give_the_exact_rows():
+    """In bfloat16 on a CPU the loop pads each block to a few shapes (gemm_rows): the padding rows change
+    nothing, outputs and gradients equal the unpadded float64 loop's within bfloat16 rounding."""
+    from moa.experts import gemm_rows
+
+    inputs, src, dst, sizes = _case(torch.bfloat16)
+    assert [gemm_rows(s, inputs[0]) for s in sizes] == [16, 0, 32, 16, 16]
+    assert gemm_rows(19, inputs[0].double()) == 19
+    wide = [t.detach().double().requires_grad_() for t in inputs]
+    got = expert_linear(*inputs[:3], src, dst, sizes, 30, scale=inputs[3])
+    want = _naive(*wide[:3], src, dst, sizes, 30, scale=wide[3])
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=5e-2)
+    probe = torch.randn(30, 8, dtype=torch.double)
+    for a, b in zip(torch.autograd.grad((got.double() * probe).sum(), inputs), torch.autograd.grad((want * probe).sum(), wide)):
+        torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=1e-1)
+    every_row_once = torch.randperm(src.numel())
+    permuted = expert_linear(inputs[0], inputs[1], None, src, every_row_once, sizes, src.numel(), dst_is_permutation=True)
+    torch.testing.assert_close(permuted.double(), _naive(wide[0], wide[1], None, src, every_row_once, sizes, src.numel()),
+                               rtol=2e-2, atol=5e-2)

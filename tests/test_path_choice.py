@@ -1,7 +1,5 @@
 """moa.path_choice: paths measured where they run, once per problem size, and what training takes."""
 
-import time
-
 import pytest
 import torch
 
@@ -17,18 +15,35 @@ def fresh_choices():
     path_choice.forget()
 
 
-def counting(calls, name, seconds=0.0, value=None):
+class Clock:
+    """A stand-in for time.perf_counter that only the candidates advance, so that timings are exact."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(path_choice.time, "perf_counter", fake)
+    return fake
+
+
+def counting(calls, name, seconds=0.0, clock=None):
     def run():
         calls.append(name)
-        if seconds:
-            time.sleep(seconds)
-        return name if value is None else value
+        if clock is not None:
+            clock.now += seconds
+        return name
     return run
 
 
-def test_the_faster_candidate_is_measured_once_per_size_and_then_taken_alone():
+def test_the_faster_candidate_is_measured_once_per_size_and_then_taken_alone(clock):
     calls = []
-    candidates = {"slow": counting(calls, "slow", 0.003), "fast": counting(calls, "fast")}
+    candidates = {"slow": counting(calls, "slow", 0.003, clock), "fast": counting(calls, "fast", 0.001, clock)}
     with torch.no_grad():
         assert path_choice.fastest("demo", (8,), candidates) == "fast"
         assert calls.count("slow") == calls.count("fast") == path_choice.REPEATS + 1
@@ -40,16 +55,21 @@ def test_the_faster_candidate_is_measured_once_per_size_and_then_taken_alone():
     assert path_choice.chosen() == {("demo", 8): "fast", ("demo", 16): "fast"}
 
 
-def test_a_near_tie_keeps_the_first_candidate():
+def test_a_near_tie_keeps_the_first_candidate(clock):
+    """Another candidate replaces the first only when faster by more than MARGIN."""
     calls = []
     with torch.no_grad():
-        assert path_choice.fastest("tie", (1,), {"first": counting(calls, "first", 0.002),
-                                                 "second": counting(calls, "second", 0.002)}) == "first"
+        just_within = 1 - path_choice.MARGIN / 2
+        assert path_choice.fastest("tie", (1,), {"first": counting(calls, "first", 1.0, clock),
+                                                 "second": counting(calls, "second", just_within, clock)}) == "first"
+        beyond = 1 - 2 * path_choice.MARGIN
+        assert path_choice.fastest("tie", (2,), {"first": counting(calls, "first", 1.0, clock),
+                                                 "second": counting(calls, "second", beyond, clock)}) == "second"
 
 
-def test_training_pinned_and_default_paths_are_taken_without_measuring():
+def test_training_pinned_and_default_paths_are_taken_without_measuring(clock):
     calls = []
-    candidates = {"slow": counting(calls, "slow", 0.003), "fast": counting(calls, "fast")}
+    candidates = {"slow": counting(calls, "slow", 0.003, clock), "fast": counting(calls, "fast", 0.001, clock)}
     assert torch.is_grad_enabled()
     assert path_choice.fastest("demo", (8,), candidates, training="slow") == "slow"
     assert path_choice.fastest("demo", (8,), candidates) == "slow"  # no training path named: the first

@@ -102,15 +102,16 @@ def routing_aux_loss(routings: List, sample_size, cfg: RoutingLossConfig, loggin
 
 def reduce_routing_metrics(logging_outputs) -> None:
     """Log the sample-size-weighted means of the routing figures that were logged (``AUX_LOSS`` in
-    base 2, like fairseq's ``loss``)."""
+    base 2, like fairseq's ``loss``). They stay tensors, as fairseq's own figures do: read on the host
+    only when fairseq's meters are printed."""
     sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
-    if not sample_size:
+    if not torch.is_tensor(sample_size) and not sample_size:
         return
     logged = sorted({key for log in logging_outputs for key in log if key.startswith(("moa_", "moh_", "routing/"))})
     for key in [AUX_LOSS, *logged]:
         if not any(key in log for log in logging_outputs):
             continue
-        total = float(sum(log.get(key, 0) for log in logging_outputs)) / sample_size
+        total = sum(log.get(key, 0) for log in logging_outputs) / sample_size
         if key == AUX_LOSS:
             total /= math.log(2)
         metrics.log_scalar(key, total, sample_size, round=4)
