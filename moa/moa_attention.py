@@ -83,14 +83,14 @@ class MixtureOfAttentionHeads(RoutedAttention):
             need_head_weights, decoding):
         """y_t = sum_j w_j o_j W_o^{e_j} by one of two paths with the same output: :meth:`_mix_routed`
         (each expert's projections on its own rows only) and :meth:`_mix_dense` (every expert's in one
-        matmul, the unselected gated by zero; the only path when k = E). Training takes the routed path:
-        the dense one adds N (E - k) D d_model multiply-adds per projection to save the routed path's
-        per-expert work, which a training batch of thousands of tokens amortises. Without autograd
+        matmul, the unselected gated by zero; taken when k = E unless ``path`` pins the other). Training
+        takes the routed path: the dense one adds N (E - k) D d_model multiply-adds per projection to save
+        the routed path's per-expert work, which a training batch of thousands of tokens amortises. Without autograd
         (decoding steps of a few hundred tokens, validation) the faster of the two for this size,
         measured where it runs (:func:`~moa.path_choice.fastest`); ``self.path`` ("routed" or
         "dense") pins one."""
         args = (x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights)
-        if self.top_k == self.num_experts:
+        if self.top_k == self.num_experts and self.path != "routed":
             return self._mix_dense(*args)
         size = (x.device.type, x.dtype, bucket(x.size(0)), bucket(keys.size(1)), self.num_experts, self.top_k,
                 self.head_dim, self.embed_dim)

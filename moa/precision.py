@@ -57,5 +57,6 @@ def prepare_for_inference_in_bf16(prepare_for_inference_):
         prepare_for_inference_(self, cfg)
         if getattr(cfg.common, "bf16", False) and not getattr(cfg.common, "fp16", False):
             self.to(dtype=torch.bfloat16)
+            logger.info("--bf16: %s runs in bfloat16", type(self).__name__)
 
     return prepare

@@ -185,3 +185,22 @@ def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tm
     assert {r["context"] for r in report["crossover"] if "module" in r} == {64, 256}
     assert report["runs"]["decode"]["command"].startswith("python -m benchmarks.lm_decoding --quick")
     assert "| moa_lm_small (4K8E64D) | 2 | 64 |" in (tmp_path / "lm.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_its_cpu_part(tmp_path):
+    """Without CUDA, benchmarks/gpu_check.sh skips tests/gpu and runs its measurements on the CPU: no host
+    read in the MoA modules' steps on the grouped projections, one per MoH module, and the table."""
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--quick"], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "No CUDA device" in proc.stderr and "skipped" in out
+    assert re.search(r"^\| MoA 16K32E256D module, grouped projections \| 0 \| - \|$", out, re.M)
+    assert re.search(r"^\| MoH module, 4 shared \+ top-2 of 4, packed \| 1 \| tolist at .*dispatch.py", out, re.M)
+    for config in ("8K8E128D", "16K32E256D"):
+        assert re.search(rf"^\| {config} \| 1,024 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+x \|$", out, re.M)
+    report = json.loads(open(re.search(r"written: (\S+)", out).group(1)).read())
+    assert report["device"].startswith("CPU") and len(report["table"]) == 2
+    bad = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--fast"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "usage" in bad.stderr

@@ -161,3 +161,25 @@ def test_a_whole_model_under_bf16_autocast_gives_the_float32_loss_within_bf16_to
     nll = [torch.nn.functional.cross_entropy(out.float().flatten(0, 1), sample["target"].flatten(),
                                              ignore_index=model.decoder.padding_idx) for out in (logits32, logits16)]
     assert abs(nll[1] - nll[0]) < 0.02 * nll[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch, flags", [("moa_small", TINY), ("moh_small", TINY_MOH)])
+def test_a_model_converted_to_half_precision_routes_in_float32(arch, flags, dtype):
+    """What fairseq's --bf16 and --fp16 trainers do (the whole model converted): the routers' logits,
+    softmax and auxiliary losses still run in float32, and the loss is finite."""
+    from moa import routing as routing_module
+
+    torch.manual_seed(0)
+    model = build_model(arch, 40, flags).to(dtype).train()
+    logits = []
+    original = routing_module.router_linear
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(routing_module, "router_linear", lambda x, w: logits.append(original(x, w)) or logits[-1])
+        out = model(**translation_sample(model.decoder.padding_idx)["net_input"])[0]
+    routings = model.pop_routings()
+    assert out.dtype == dtype and torch.isfinite(out.float()).all()
+    assert logits and all(l.dtype == torch.float32 for l in logits)
+    for r in routings:
+        assert r.probs.dtype == torch.float32 and r.gates.dtype == dtype
+        assert all(loss.dtype == torch.float32 and torch.isfinite(loss) for loss in r.aux_losses().values())

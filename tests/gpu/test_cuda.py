@@ -8,8 +8,14 @@
 * incremental decoding with a beam reorder on CUDA equals the full causal forward, for the translation
   models and for the language models' decoding paths (MoA's, MoH's every-head and active-head paths
   over a growing cache store);
-* fairseq-train with ``--fp16`` and with ``--bf16`` trains MoA and MoH for a few updates to a finite
-  loss, and fairseq-generate translates every test sentence with the half-precision model (slow).
+* the expert projections by torch's grouped GEMM (what CUDA takes in bfloat16) equal the loop, and a
+  MoA module's training step on them runs under ``torch.cuda.set_sync_debug_mode("error")``: no
+  synchronisation at all;
+* fairseq-train with ``--fp16`` and with ``--bf16`` (which the plugin runs without torch_xla) trains MoA
+  and MoH for a few updates to a finite loss, and fairseq-generate translates every test sentence with
+  the half-precision model (slow).
+
+``bash benchmarks/gpu_check.sh`` runs these and then the GPU measurements (benchmarks/gpu_check.py).
 """
 
 import math
@@ -19,6 +25,8 @@ import pytest
 import torch
 
 from helpers import run_cli, translation_sample
+from moa import experts
+from moa.moa_attention import MixtureOfAttentionHeads
 from moa_tools import USER_DIR
 from moa_tools.commands.demo import write_corpus
 from test_incremental_decoding import MODELS, check_beam_reorder, tiny_decoding_model
@@ -63,6 +71,44 @@ def test_incremental_decoding_on_cuda_equals_the_full_forward(model_id):
 @pytest.mark.parametrize("path_id", list(PATHS))
 def test_language_model_decoding_on_cuda_equals_the_full_forward(path_id):
     check_lm_decoding(path_id, "cuda")
+
+
+def test_the_grouped_projections_on_cuda_equal_the_loop():
+    torch.manual_seed(0)
+    x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(8, 64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    sizes = [37, 0, 101, 3, 59, 60, 21, 19]
+    src = torch.randint(0, 300, (sum(sizes),), device="cuda")
+    dst = torch.randint(0, 250, (sum(sizes),), device="cuda")
+    assert experts.grouped_gemm_is_fast(x, weight)
+    outs = [experts.expert_linear(x, weight, None, src, dst, sizes, 250, method=m) for m in ("grouped", "loop")]
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2e-2, atol=5e-2)
+    probe = torch.randn_like(outs[0])
+    grads = [torch.autograd.grad((out * probe).sum(), (x, weight)) for out in outs]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("experts_, top_k", [(8, 8), (32, 16)])
+def test_a_moa_training_step_in_bf16_does_not_synchronise(experts_, top_k):
+    torch.manual_seed(0)
+    module = MixtureOfAttentionHeads(512, experts_, top_k, 64, self_attention=True,
+                                     router_init="normal").cuda().bfloat16().train()
+    module.path = "routed"
+    x = torch.randn(64, 8, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        y, _ = module(x, x, x, need_weights=False)
+        (y.float().square().mean() + sum(module.routing.aux_losses().values())).backward()
+
+    step()  # warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
 
 
 TRAIN_SHAPE = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
