@@ -11,6 +11,10 @@ median of the per-round ratios to float32):
   built from the fairseq-train flags of each precision, on the same batch of 128 x 16 tokens at the
   Multi30k shape (8,000 symbols; ``moa_base`` at the base shape, 64 x 32 tokens of 32,768 symbols). Each
   row also times the model's forward and backward alone, so that the trainer's own cost shows.
+* ``fairseq-train``: the real CLI on Multi30k En-De (prepared from ``../shared/data/multi30k`` by
+  ``examples/translation/prepare-multi30k.sh``, 8,000 pieces), ``--max-tokens 2048``: float32 and
+  ``--bf16`` runs of ``--updates`` updates alternate for ``--train-rounds`` rounds per model; words per
+  second are fairseq's own (``wps``) over the updates after the first log interval.
 * ``decode``: beam-4 decoding of 32 sentences forced to 16 tokens, the model in float32 and in bfloat16
   (what ``fairseq-generate --bf16`` runs with the plugin).
 * ``modules``: one MoA module's forward and backward at d_model 512 and 4,096 tokens (8 x 512), its
@@ -30,7 +34,7 @@ import torch
 import moa  # noqa: F401  (registers the plugin)
 from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
 
-SECTIONS = ("trainer", "decode", "modules")
+SECTIONS = ("trainer", "fairseq-train", "decode", "modules")
 PRECISIONS = {"float32": [], "bf16": ["--bf16"], "memory-efficient-bf16": ["--memory-efficient-bf16"]}
 SMALL = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "256", "--decoder-embed-dim", "256",
          "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024", "--encoder-attention-heads", "4",
@@ -132,6 +136,41 @@ def trainer_section(names, rounds):
     return rows
 
 
+def fairseq_train_section(names, rounds, updates, workdir):
+    import re
+    import subprocess
+    import sys
+
+    from benchmarks.common import ROOT, shared_data
+
+    data = os.path.join(workdir, "multi30k-en-de")
+    subprocess.run(["bash", os.path.join(ROOT, "examples", "translation", "prepare-multi30k.sh"), "--pair", "en-de",
+                    "--out", data, "--mirror", shared_data("multi30k")], check=True, capture_output=True)
+    train = os.path.join(os.path.dirname(sys.executable), "fairseq-train")
+    rows = []
+    for name in names:
+        arch, flags, _, _, _ = ARCHS[name]
+        criterion = "label_smoothed_cross_entropy" if arch == "transformer" else "moa_label_smoothed_cross_entropy"
+        wps = {precision: [] for precision in ("float32", "bf16")}
+        for _ in range(rounds):
+            for precision in wps:
+                proc = subprocess.run(
+                    [train, os.path.join(data, "data-bin"), "--user-dir", os.path.dirname(moa.__file__), "--arch", arch,
+                     *flags, "--share-all-embeddings", "--criterion", criterion, "--label-smoothing", "0.1",
+                     "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--max-tokens", "2048",
+                     "--cpu", "--num-workers", "0", "--log-format", "simple", "--log-interval", "20", "--no-save",
+                     "--disable-validation", "--max-update", str(updates), "--seed", "1", *PRECISIONS[precision]],
+                    capture_output=True, text=True, check=True)
+                wps[precision].append(statistics.median(
+                    float(v) for v in re.findall(r"train_inner \|.*?wps=([\d.]+)", proc.stdout + proc.stderr)[1:]))
+        row = {"model": name, "updates": updates, "rounds": rounds,
+               "float32_wps": statistics.median(wps["float32"]), "bf16_wps": statistics.median(wps["bf16"]),
+               "bf16_speedup": statistics.median(b / a for a, b in zip(wps["float32"], wps["bf16"]))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def decode_section(names, rounds):
     from benchmarks.moa_speed import beam_decode, shape_model, synthetic_batch
 
@@ -202,6 +241,12 @@ def markdown(report):
         for r in report["trainer"]:
             lines.append(f"| {r['model']} | {r['precision']} | {r['words_per_s']:,.0f} | {r['trainer_speedup']:.2f}x | "
                          f"{r['model_ms']:.0f} | {r['model_speedup']:.2f}x | {r['trainer_overhead_ms']:.0f} |")
+    if report.get("fairseq-train"):
+        lines += ["", "## fairseq-train on Multi30k En-De, float32 and --bf16 runs alternating", "",
+                  "| model | updates x rounds | float32 words/s | bf16 words/s | bf16 speed-up |", "|---|---|---|---|---|"]
+        for r in report["fairseq-train"]:
+            lines.append(f"| {r['model']} | {r['updates']} x {r['rounds']} | {r['float32_wps']:,.0f} | "
+                         f"{r['bf16_wps']:,.0f} | {r['bf16_speedup']:.2f}x |")
     if report.get("decode"):
         lines += ["", "## Beam-4 decoding, 32 sentences forced to 16 tokens", "",
                   "| model | float32 ms | bfloat16 ms | bf16 speed-up |", "|---|---|---|---|"]
@@ -221,6 +266,9 @@ def main():
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--models", nargs="+", choices=list(ARCHS), default=list(ARCHS))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--updates", type=int, default=80, help="updates of each fairseq-train run")
+    parser.add_argument("--train-rounds", type=int, default=2, help="alternations of the fairseq-train runs")
+    parser.add_argument("--workdir", help="where fairseq-train's data is prepared (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="two rounds, the small models: a smoke run")
     parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/bf16-cpu/cpu.json")
     args = parser.parse_args()
@@ -236,6 +284,9 @@ def main():
     report["runs"].update({section: run for section in args.sections})
     if "trainer" in args.sections:
         report["trainer"] = trainer_section(models, rounds)
+    if "fairseq-train" in args.sections:
+        report["fairseq-train"] = fairseq_train_section([m for m in models if m != "moa_base"], args.train_rounds,
+                                                        args.updates, args.workdir or tempfile.mkdtemp(prefix="moa-bf16-"))
     if "decode" in args.sections:
         report["decode"] = decode_section([m for m in models if m != "moa_base"], rounds)
     if "modules" in args.sections:
