@@ -1,0 +1,91 @@
+"""Does torch.compile of the routed attention modules pay on this machine? Eager against compiled, side by side.
+
+    .venv/bin/python -m benchmarks.torch_compile            # about 10 minutes on 2 cores, most of it compiling
+
+At the Multi30k shape (benchmarks.moa_speed's ``small`` section), for ``moa_small`` and ``moh_small``:
+one training step (criterion, backward) on 128 x 16 tokens and beam-4 decoding of 32 sentences forced to
+16 tokens, with every routed attention module's forward wrapped in ``torch.compile(dynamic=True)``
+against the same model eager. The first call (which compiles) is reported apart; then medians of
+interleaved rounds.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import moa  # noqa: F401  (registers the plugin)
+from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
+from benchmarks.moa_speed import beam_decode, criterion_for, shape_model, synthetic_batch
+from moa.routed_attention import RoutedAttention
+
+
+def build(arch, compiled):
+    model = shape_model("small", arch, torch.device("cpu"))
+    if compiled:
+        for module in model.modules():
+            if isinstance(module, RoutedAttention):
+                module.forward = torch.compile(module.forward, dynamic=True)
+    return model
+
+
+def job(model, arch, kind):
+    sample = synthetic_batch(model, 128, 16, 16, "cpu")
+    if kind == "decode":
+        return beam_decode(model, sample, 32, 16)
+    criterion = criterion_for(model, arch)
+
+    def step():
+        model.train()
+        model.zero_grad(set_to_none=True)
+        criterion(model, sample)[0].backward()
+    return step
+
+
+def main():
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.torch_compile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["moa_small", "moh_small"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(RESULTS, "torch-compile", "cpu.json"))
+    args = parser.parse_args()
+    rows = []
+    for arch in args.models:
+        models = {compiled: build(arch, compiled) for compiled in (False, True)}
+        for kind in ("train", "decode"):
+            runs, first = {}, {}
+            for compiled, model in models.items():
+                runs[compiled] = job(model, arch, kind)
+                start = time.perf_counter()
+                runs[compiled]()
+                first[compiled] = time.perf_counter() - start
+            times = {compiled: [] for compiled in runs}
+            for _ in range(args.rounds):
+                for compiled, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    times[compiled].append(time.perf_counter() - start)
+            row = {"model": arch, "job": kind, "eager_ms": 1e3 * statistics.median(times[False]),
+                   "compiled_ms": 1e3 * statistics.median(times[True]),
+                   "compiled_over_eager": statistics.median(c / e for e, c in zip(times[False], times[True])),
+                   "first_call_eager_s": first[False], "first_call_compiled_s": first[True]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = ["# torch.compile of the routed attention modules (CPU)", "",
+             "| model | job | eager ms | compiled ms | compiled / eager | first call eager s | first call compiled s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['job']} | {r['eager_ms']:.0f} | {r['compiled_ms']:.0f} | "
+                     f"{r['compiled_over_eager']:.2f}x | {r['first_call_eager_s']:.1f} | {r['first_call_compiled_s']:.1f} |")
+    run = provenance("torch_compile")
+    text = "\n".join(lines) + "\n\n" + provenance_line(run)
+    print("\n" + text)
+    write_atomically(args.out, json.dumps({"run": run, "rows": rows}, indent=1))
+    write_atomically(os.path.splitext(args.out)[0] + ".md", text + "\n")
+
+
+if __name__ == "__main__":
+    main()
