@@ -14,10 +14,15 @@ finished run that stays finished. What :mod:`moa.fairseq_patches` installs into 
   to a temporary name, flushes it to disk and renames it into place, and flushes every renamed file.
 * **Resuming past a damaged file.** A truncated or corrupt ``checkpoint_last.pt`` (left by an older
   version, a full disk, a failing device) makes training continue from the newest complete checkpoint
-  beside it, saying so on stderr, instead of stopping (:func:`resuming_past_damage`).
+  of the same run beside it (never another shard's), saying so on stderr, instead of stopping
+  (:func:`resuming_past_damage`). The damage is found where fairseq reads the file, after fairseq's own
+  checks of its flags (the checksums are verified on the bytes then loaded: the file is read once), so a
+  fine-tuning run (``--finetune-from-model``) resumes as a plain one does.
 * **A finished run stays finished.** fairseq checks ``--max-update`` and ``--stop-time-hours`` only
   after an update, so rerunning a finished command trained one update more and overwrote its
-  checkpoints; now it says the training is complete and exits without writing anything.
+  checkpoints; now its epoch loop stops before the first update, saying the training is complete:
+  nothing is trained or written, and ``fairseq_cli.train.main`` returns as a completed run's does
+  (:func:`stopping_finished_runs`).
 """
 
 import logging
@@ -25,7 +30,6 @@ import os
 import sys
 
 from moa.atomic_files import atomic_copy, fsync_file
-from moa.checkpoint_safety import checkpoint_damage, newest_complete_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -74,28 +78,46 @@ def atomic_path_manager(path_manager):
 
 
 def resuming_past_damage(load_checkpoint):
-    """fairseq's training ``load_checkpoint``: a damaged ``checkpoint_last.pt`` resumes from the newest
-    complete checkpoint beside it; a run whose checkpoint is already finished stops there."""
+    """fairseq's ``Trainer.load_checkpoint``: when the run's own ``checkpoint_last`` (the default
+    ``--restore-file``) turns out damaged as it is read, the newest complete checkpoint of the same run
+    (its ``--checkpoint-suffix`` and shard) is loaded instead. Rank 0 reads and the other ranks receive
+    what it loaded, as fairseq broadcasts it."""
+    from moa.checkpoint_safety import DamagedCheckpointError, run_checkpoints
 
-    def wrapper(cfg, trainer, **passthrough_args):
-        if cfg.restore_file == "checkpoint_last.pt":
-            last = os.path.join(cfg.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
-            reason = checkpoint_damage(last)
-            if reason is not None:
-                newest = newest_complete_checkpoint(cfg.save_dir, exclude=last)
-                if newest is None:
-                    raise RuntimeError(f"{last} is truncated or corrupt: {reason}. {cfg.save_dir} holds no other "
-                                       "complete checkpoint: restore the file from a copy, or train again.")
-                print(f"fairseq-train: {last} is truncated or corrupt ({reason}); continuing from {newest}, the "
-                      "newest complete checkpoint beside it", file=sys.stderr, flush=True)
-                cfg.restore_file = newest
-        extra_state, epoch_itr = load_checkpoint(cfg, trainer, **passthrough_args)
+    def wrapper(self, filename, *args, **kwargs):
+        try:
+            return load_checkpoint(self, filename, *args, **kwargs)
+        except DamagedCheckpointError as error:
+            checkpoint = self.cfg.checkpoint
+            last = os.path.join(checkpoint.save_dir, f"checkpoint_last{self.checkpoint_suffix}.pt")
+            if checkpoint.restore_file != "checkpoint_last.pt" or os.path.abspath(filename) != os.path.abspath(last):
+                raise
+            for candidate in run_checkpoints(checkpoint.save_dir, self.checkpoint_suffix):
+                if os.path.abspath(candidate) == os.path.abspath(last):
+                    continue
+                print(f"fairseq-train: {error.args[0].split('. ')[0]}; continuing from {candidate}, the newest "
+                      "checkpoint of this run beside it", file=sys.stderr, flush=True)
+                try:
+                    return load_checkpoint(self, candidate, *args, **kwargs)
+                except DamagedCheckpointError as other:
+                    error = other  # damaged too: the next older one
+            raise RuntimeError(f"{last} is truncated or corrupt, and {checkpoint.save_dir} holds no other complete "
+                               "checkpoint of this run: restore the file from a copy, or train again.") from error
+
+    return wrapper
+
+
+def stopping_finished_runs(train):
+    """fairseq_cli.train's ``train`` (one epoch), which first stops a run whose stopping flags its
+    checkpoint already meets: no update, no validation, no save, and ``main`` returns."""
+
+    def wrapper(cfg, trainer, task, epoch_itr):
         finished = training_finished(trainer, epoch_itr)
         if finished:
             logger.info(f"training is complete: {finished}; nothing to train (change the stopping flags to "
                         "train further)")
-            raise SystemExit(0)
-        return extra_state, epoch_itr
+            return [None], True
+        return train(cfg, trainer, task, epoch_itr)
 
     return wrapper
 

@@ -1,15 +1,15 @@
 """Every change the plugin makes to fairseq (and to torch's loader), in one place.
 
-fairseq 0.12 has no hooks for what follows, so the plugin replaces eleven of its attributes when it is
+fairseq 0.12 has no hooks for what follows, so the plugin replaces twelve of its attributes when it is
 imported, each by a function or class that wraps fairseq's own:
 
 ========================================================  ==========================================
 replaced                                                  why
 ========================================================  ==========================================
-``fairseq.checkpoint_utils.load_checkpoint_to_cpu``       check the file's CRC-32s first, so a
-                                                          truncated or corrupt checkpoint is refused
-                                                          by name with the fix (train, generate,
-                                                          validate, interactive)
+``fairseq.checkpoint_utils.load_checkpoint_to_cpu``       check the file's CRC-32s on the bytes then
+                                                          loaded (one read), so a truncated or corrupt
+                                                          checkpoint is refused by name with the fix
+                                                          (train, generate, validate, interactive)
 ``fairseq.distributed.utils.infer_init_method``           data parallelism on CPU ranks under
                                                           torchrun; an error instead of training
                                                           nothing without it
@@ -21,9 +21,10 @@ replaced                                                  why
 ``.get_batch_iterator``                                   batches of the run it continues
 ``fairseq.checkpoint_utils.PathManager``                  checkpoint copies are atomic and flushed,
                                                           so a kill never leaves half a file
-``fairseq.checkpoint_utils.load_checkpoint``              a damaged checkpoint_last.pt resumes from
-                                                          the newest complete one; a finished run
-                                                          stays finished
+``fairseq.trainer.Trainer.load_checkpoint``               a damaged checkpoint_last.pt resumes from
+                                                          the newest complete one of its run
+``fairseq_cli.train.train``                               a finished run stays finished: no update,
+                                                          nothing written, ``main`` returns
 ``fairseq.distributed.utils.call_main``                   ``--bf16`` trains on the GPU or CPU without
                                                           torch_xla (fairseq takes it to mean a TPU)
 ``fairseq.models.fairseq_model.BaseFairseqModel``         ``--bf16`` inference (generate, interactive,
@@ -81,8 +82,10 @@ def _patches():
               "a run resumed in a later epoch gets the batches of the run it continues"),
         Patch("fairseq.checkpoint_utils", "PathManager", crash_safe_training.atomic_path_manager,
               "checkpoint copies are atomic and flushed"),
-        Patch("fairseq.checkpoint_utils", "load_checkpoint", crash_safe_training.resuming_past_damage,
-              "a damaged checkpoint_last.pt resumes from the newest complete one; a finished run stays finished"),
+        Patch("fairseq.trainer", "Trainer.load_checkpoint", crash_safe_training.resuming_past_damage,
+              "a damaged checkpoint_last.pt resumes from the newest complete one of its run"),
+        Patch("fairseq_cli.train", "train", crash_safe_training.stopping_finished_runs,
+              "a finished run stays finished: no update, nothing written"),
         Patch("fairseq.distributed.utils", "call_main", precision.call_main_without_xla,
               "--bf16 trains on the GPU or CPU without torch_xla (fairseq takes it to mean a TPU)"),
         Patch("fairseq.models.fairseq_model", "BaseFairseqModel.prepare_for_inference_",
@@ -117,11 +120,11 @@ def apply() -> None:
     """Install every patch of :func:`_patches` that is not installed yet, and the checkpoint allow-list."""
     from moa.checkpoint_safety import allow_fairseq_checkpoint_globals
 
-    _import_fairseq_keeping_logging()
+    _import_keeping_logging("fairseq")
     allow_fairseq_checkpoint_globals()
     for patch in _patches():
         *owners, name = patch.attribute.split(".")
-        owner = importlib.import_module(patch.module)
+        owner = _import_keeping_logging(patch.module)
         for part in owners:  # a class's attribute: Class.method
             owner = getattr(owner, part)
         original = getattr(owner, name)
@@ -134,13 +137,16 @@ def apply() -> None:
         logger.debug("moa replaces %s.%s: %s", patch.module, patch.attribute, patch.why)
 
 
-def _import_fairseq_keeping_logging() -> None:
-    """Import fairseq; if this is its first import, leave the root logger as it was before."""
-    if "fairseq" in sys.modules:
-        return
+def _import_keeping_logging(module: str):
+    """Import ``module``; if it (or fairseq with it) is imported for the first time, leave the root
+    logger as it was before: two fairseq modules call ``logging.basicConfig(level=DEBUG)`` when imported,
+    and ``fairseq_cli.train`` configures logging too."""
+    if module in sys.modules:
+        return sys.modules[module]
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
-    importlib.import_module("fairseq")
+    imported = importlib.import_module(module)
     for handler in [h for h in root.handlers if h not in handlers]:
         root.removeHandler(handler)
     root.setLevel(level)
+    return imported
