@@ -36,10 +36,9 @@ import statistics
 import time
 
 import torch
-from fairseq.modules.multihead_attention import MultiheadAttention
-
-import moa  # noqa: F401  (registers the archs)
+import moa  # noqa: F401  (registers the archs; imported before fairseq keeps fairseq's logging quiet)
 import moa.experts
+from fairseq.modules.multihead_attention import MultiheadAttention
 from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
 from moa import routed_attention
 from moa.models.build import build_from_args, dictionary_of_size, model_args

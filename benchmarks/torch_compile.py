@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 import moa  # noqa: F401  (registers the plugin)
 from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
@@ -28,6 +29,11 @@ from moa.routed_attention import RoutedAttention
 def build(arch, compiled):
     model = shape_model("small", arch, torch.device("cpu"))
     if compiled:
+        # Every module shares one forward code object, and each module and shape is its own graph: past
+        # dynamo's default of 8 per code object, the rest would run eager and the comparison would not
+        # be of compiled modules.
+        torch._dynamo.reset()
+        torch._dynamo.config.recompile_limit = 256
         for module in model.modules():
             if isinstance(module, RoutedAttention):
                 module.forward = torch.compile(module.forward, dynamic=True)
@@ -57,14 +63,21 @@ def main():
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="moa-inductor-"))  # compile afresh
     rows = []
     for arch in args.models:
+        counters.clear()
         models = {compiled: build(arch, compiled) for compiled in (False, True)}
         for kind in ("train", "decode"):
             runs, first = {}, {}
-            for compiled, model in models.items():
-                runs[compiled] = job(model, arch, kind)
-                start = time.perf_counter()
-                runs[compiled]()
-                first[compiled] = time.perf_counter() - start
+            try:
+                for compiled, model in models.items():
+                    runs[compiled] = job(model, arch, kind)
+                    start = time.perf_counter()
+                    runs[compiled]()
+                    first[compiled] = time.perf_counter() - start
+            except Exception as error:  # the compiler's failure is the result
+                row = {"model": arch, "job": kind, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
             times = {compiled: [] for compiled in runs}
             for _ in range(args.rounds):
                 for compiled, run in runs.items():
@@ -75,14 +88,21 @@ def main():
                    "compiled_ms": 1e3 * statistics.median(times[True]),
                    "compiled_over_eager": statistics.median(c / e for e, c in zip(times[False], times[True])),
                    "first_call_eager_s": first[False], "first_call_compiled_s": first[True]}
+            row["graphs"] = counters["stats"]["unique_graphs"]  # compiled so far for this model
+            row["graph_breaks"] = sum(counters["graph_break"].values())
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = ["# torch.compile of the routed attention modules (CPU)", "",
-             "| model | job | eager ms | compiled ms | compiled / eager | first call eager s | first call compiled s |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | job | eager ms | compiled ms | compiled / eager | first call eager s | first call compiled s "
+             "| graphs | graph breaks |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['job']} | | | compiled fails: {r['error']} | | | | |")
+            continue
         lines.append(f"| {r['model']} | {r['job']} | {r['eager_ms']:.0f} | {r['compiled_ms']:.0f} | "
-                     f"{r['compiled_over_eager']:.2f}x | {r['first_call_eager_s']:.1f} | {r['first_call_compiled_s']:.1f} |")
+                     f"{r['compiled_over_eager']:.2f}x | {r['first_call_eager_s']:.1f} | {r['first_call_compiled_s']:.1f} | "
+                     f"{r['graphs']} | {r['graph_breaks']} |")
     run = provenance("torch_compile")
     text = "\n".join(lines) + "\n\n" + provenance_line(run)
     print("\n" + text)

@@ -204,3 +204,26 @@ def test_the_gpu_check_runs_its_cpu_part(tmp_path):
     assert report["device"].startswith("CPU") and len(report["table"]) == 2
     bad = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--fast"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_guard_reads_every_figure_it_checks_from_readme():
+    """README's speed table quotes a figure for every ratio the guard measures (else the guard exits 2),
+    and a table under another heading is not read."""
+    from benchmarks import guard
+
+    figures = guard.readme_figures()
+    expected = {(job, column) for job, names in guard.JOBS.items() for column in range(len(names))}
+    assert set(figures) == expected
+    assert all(0.05 < value < 3 for value in figures.values())
+
+
+def test_guard_ratios_are_per_round_against_both_references():
+    from benchmarks import guard
+
+    first, second = guard.REFERENCES
+    times = {first: [1.0, 2.0, 1.0], second: [1.0, 2.0, 3.0], "moa": [1.0, 4.0, 1.0]}
+    per_round, same = guard.ratios(times, ["moa"])
+    assert per_round["moa"] == [1.0, 2.0, 0.5]  # each round against the mean of its two references
+    assert same == [1.0, 1.0, 3.0]
+    assert guard.median_error([1.0, 1.0, 1.0]) == 0.0
+    assert guard.median_error([0.9, 1.0, 1.1, 1.0]) > 0

@@ -156,8 +156,10 @@ class RoutedTransformerDecoder(TransformerDecoderBase):
         return wrap_layer(RoutedTransformerDecoderLayer(cfg, no_encoder_attn), cfg)
 
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **kwargs):
+        if incremental_state is not None:  # a decoding step: no query padding to pass, no module walk
+            return super().extract_features(prev_output_tokens, encoder_out, incremental_state, **kwargs)
         cross = [m for m in self.modules() if isinstance(m, RoutedAttention) and m.encoder_decoder_attention]
-        padding = prev_output_tokens.eq(self.padding_idx) if incremental_state is None and cross else None
+        padding = prev_output_tokens.eq(self.padding_idx) if cross else None
         for module in cross:
             module.query_padding_mask = padding
         try:
