@@ -78,7 +78,9 @@ def main(argv=None):
     by_file = collections.defaultdict(lambda: collections.Counter())
     for test in sorted(set(without) | set(with_plugin)):
         module = test.split("::")[0] or test.split("::")[1]  # a collection error names the module alone
-        name = module.replace("tests.", "", 1).split(".")[0] + ".py"
+        parts = module.split(".")[1:] if module.startswith("tests.") else module.split(".")
+        depth = next((i for i, part in enumerate(parts) if part.startswith("test")), len(parts) - 1)
+        name = "/".join(parts[:depth + 1]) + ".py"  # e.g. distributed/test_utils.py
         by_file[name][("without", without.get(test, "missing"))] += 1
         by_file[name][("with", with_plugin.get(test, "missing"))] += 1
     print("| file | without the plugin: passed / failed / skipped | with it: passed / failed / skipped |")
