@@ -60,7 +60,16 @@ def broadcast_state_globals():
 
 
 class DamagedCheckpointError(RuntimeError):
-    """A checkpoint file that is not a complete torch archive (an interrupted save or copy)."""
+    """A checkpoint file ``path`` that is not a complete torch archive (an interrupted save or copy), and
+    why (``reason``). Its message names the fix (:func:`damaged_checkpoint_message`), looked for only when
+    the message is read: a caller that falls back to another checkpoint reads no other file for it."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(path, reason)
+        self.path, self.reason = path, reason
+
+    def __str__(self) -> str:
+        return damaged_checkpoint_message(self.path, self.reason)
 
 
 def checkpoint_damage(path: str) -> Optional[str]:
@@ -164,22 +173,14 @@ def verified_checkpoint(path: str):
     A legacy (non-zip) torch file, which has no checksums, is yielded as it is mapped."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            raise DamagedCheckpointError(damaged_checkpoint_message(path, "it is empty: the save that wrote it did not "
-                                                                          "finish"))
+            raise DamagedCheckpointError(path, "it is empty: the save that wrote it did not finish")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
             mapped = _MappedFile(mapping)
             reason = _archive_damage(mapped)
             if reason is not None:
-                raise DamagedCheckpointError(damaged_checkpoint_message(path, reason))
+                raise DamagedCheckpointError(path, reason)
             mapped.seek(0)
             yield mapped
-
-
-def check_checkpoint_file(path: str) -> None:
-    """Raise :class:`DamagedCheckpointError` if ``path`` is a damaged checkpoint file."""
-    reason = checkpoint_damage(path)
-    if reason is not None:
-        raise DamagedCheckpointError(damaged_checkpoint_message(path, reason))
 
 
 def checked_checkpoint_loader(load):

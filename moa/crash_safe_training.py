@@ -95,8 +95,8 @@ def resuming_past_damage(load_checkpoint):
             for candidate in run_checkpoints(checkpoint.save_dir, self.checkpoint_suffix):
                 if os.path.abspath(candidate) == os.path.abspath(last):
                     continue
-                print(f"fairseq-train: {error.args[0].split('. ')[0]}; continuing from {candidate}, the newest "
-                      "checkpoint of this run beside it", file=sys.stderr, flush=True)
+                print(f"fairseq-train: {error.path} is truncated or corrupt ({error.reason}); continuing from "
+                      f"{candidate}, the newest checkpoint of this run beside it", file=sys.stderr, flush=True)
                 try:
                     return load_checkpoint(self, candidate, *args, **kwargs)
                 except DamagedCheckpointError as other:

@@ -34,14 +34,13 @@ def load_checkpoint(path: str) -> dict:
     import torch
 
     import moa  # noqa: F401  (registers the checkpoint allow-list)
-    from moa.checkpoint_safety import DamagedCheckpointError, check_checkpoint_file
+    from moa.checkpoint_safety import DamagedCheckpointError, verified_checkpoint
 
     try:
-        check_checkpoint_file(path)
+        with verified_checkpoint(path) as checked:  # read from disk once, loaded from the bytes checked
+            state = torch.load(checked, map_location="cpu")  # weights_only: the safe loader
     except DamagedCheckpointError as e:
         raise ToolError(str(e)) from None
-    try:
-        state = torch.load(path, map_location="cpu")  # weights_only: the safe loader
     except pickle.UnpicklingError as e:
         raise ToolError(f"{path} cannot be loaded safely: {e}") from e
     except (RuntimeError, EOFError) as e:
