@@ -11,15 +11,12 @@ attention layout each assignment reads and writes:
 * :class:`HeadPacking` (MoH): the routed queries packed per (batch row, head), each head attending over
   its own K/V, in time order and padded to the longest group of the batch.
 
-MoA's plan computes the block sizes on the device (:class:`~moa.experts.GroupSizes`): read on the host
-only by the loop implementation of the projections, once per plan, never by the grouped one. MoH's
-plan reads its sizes on the host once (the packed layout's length is a shape).
+Both count the block sizes on the device; MoA's plan reads nothing on the host, MoH's reads one number
+(the packed layout's length is a shape).
 """
 
 import torch
 from torch import Tensor
-
-from moa.experts import GroupSizes
 
 
 class ExpertDispatch:
@@ -30,7 +27,7 @@ class ExpertDispatch:
     token ``token[p]``, and row ``slot_row[p]`` of the attention layout
     (batch, k, tgt_len) flattened, i.e. ``(b * k + j) * tgt_len + t``; ``order[p]``
     is the assignment index n * k + j itself.
-    ``group_sizes`` holds the E block lengths, counted on the device (no host read here), and
+    ``counts`` (E,) holds the block lengths, counted on the device (no host read here), and
     ``expert[p]`` the expert of assignment p; every shape is static, so the plan compiles whole.
     """
 
@@ -43,7 +40,7 @@ class ExpertDispatch:
         slot = order % top_k
         t, b = self.token // bsz, self.token % bsz
         self.slot_row = (b * top_k + slot) * tgt_len + t
-        self.group_sizes = GroupSizes(_count(flat, num_experts))
+        self.counts = _count(flat, num_experts)
         self.num_tokens = num_tokens
         self.num_slot_rows = num_tokens * top_k
 
@@ -56,7 +53,8 @@ class HeadPacking:
     that selected head e, ``length`` being the largest group. Sorted by head, assignment p is
     token ``token[p]`` and packed row ``packed_row[p]``; ``order[p]`` is the assignment index
     n * K + j. ``position`` (bsz, E, length) is each packed row's time step (empty rows: the
-    last one, so that they see some key and stay finite). One host sync for all the sizes.
+    last one, so that they see some key and stay finite); ``counts`` (E,) the assignments per head.
+    One host read: the length.
     """
 
     def __init__(self, heads: Tensor, num_heads: int, tgt_len: int, bsz: int):
@@ -67,9 +65,8 @@ class HeadPacking:
         group = b * num_heads + flat
         by_group = group.argsort(stable=True)  # within a group: token order, i.e. time order
         counts = _count(group, bsz * num_heads)
-        head_counts = _count(flat, num_heads)
-        sizes = torch.cat([counts.max().view(1), head_counts]).tolist()  # the plan's one host read
-        self.length, self.group_sizes = sizes[0], GroupSizes(head_counts, sizes[1:])
+        self.counts = _count(flat, num_heads)
+        self.length = counts.max().item()  # the plan's one host read
         sorted_group = group[by_group]
         rank = torch.arange(flat.numel(), device=heads.device) - (counts.cumsum(0) - counts)[sorted_group]
         packed_row = torch.empty_like(flat)

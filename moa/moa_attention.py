@@ -10,9 +10,8 @@ For a query token x_t routed to experts G(x_t) with gate weights w (see
 
 The attention core is multi-query attention with k routed query heads per
 token; the incremental-decoding cache holds the single shared head, (batch,
-length, D). In training only the selected experts' projections are computed;
-without autograd (decoding) a dense path with the same output is taken where it is
-measured faster (see :meth:`MixtureOfAttentionHeads.mix`).
+length, D). Only the selected experts' projections are computed (a dense path,
+every expert in one matmul, serves k = E; see :meth:`MixtureOfAttentionHeads.mix`).
 
 The module follows fairseq's ``MultiheadAttention`` contract through
 :class:`~moa.routed_attention.RoutedAttention`.
@@ -26,7 +25,6 @@ from torch import Tensor, nn
 
 from moa.dispatch import ExpertDispatch
 from moa.experts import ExpertLinear
-from moa.path_choice import bucket, fastest
 from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
 from moa.routing import ExpertRouting, TopKRouter
 
@@ -74,28 +72,21 @@ class MixtureOfAttentionHeads(RoutedAttention):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
 
-    path: Optional[str] = None  # None: chosen per forward (see mix); "routed" or "dense": always that path
+    path: Optional[str] = None  # None: by the rule of mix; "routed" or "dense" pins one (the tests compare them)
 
     def route(self, x: Tensor, padding: Optional[Tensor], aux: bool = True) -> Tuple[ExpertRouting, None]:
         return self.router(x, padding, aux), None
 
     def mix(self, x, routing: ExpertRouting, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
-        """y_t = sum_j w_j o_j W_o^{e_j} by one of two paths with the same output: :meth:`_mix_routed`
-        (each expert's projections on its own rows only) and :meth:`_mix_dense` (every expert's in one
-        matmul, the unselected gated by zero; taken when k = E unless ``path`` pins the other). Training
-        takes the routed path: the dense one adds N (E - k) D d_model multiply-adds per projection to save
-        the routed path's per-expert work, which a training batch of thousands of tokens amortises. Without autograd
-        (decoding steps of a few hundred tokens, validation) the faster of the two for this size,
-        measured where it runs (:func:`~moa.path_choice.fastest`); ``self.path`` ("routed" or
-        "dense") pins one."""
+        """y_t = sum_j w_j o_j W_o^{e_j} by one of two paths with the same output, chosen by arithmetic:
+        :meth:`_mix_routed` (each expert's projections on its own rows, k of E per token) whenever k < E, in
+        training and decoding alike, and :meth:`_mix_dense` (every expert in one matmul) when k = E, where
+        there is nothing to skip and the dense path does the same multiply-adds without the gathers.
+        ``self.path`` pins one."""
         args = (x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights)
-        if self.top_k == self.num_experts and self.path != "routed":
-            return self._mix_dense(*args)
-        size = (x.device.type, x.dtype, bucket(x.size(0)), bucket(keys.size(1)), self.num_experts, self.top_k,
-                self.head_dim, self.embed_dim)
-        return fastest("MoA routed or dense", size, {"routed": lambda: self._mix_routed(*args),
-                                                     "dense": lambda: self._mix_dense(*args)}, pinned=self.path)
+        dense = self.path == "dense" or (self.path is None and self.top_k == self.num_experts)
+        return self._mix_dense(*args) if dense else self._mix_routed(*args)
 
     def _mix_routed(self, x, routing: ExpertRouting, keys, values, bias, tgt_len, bsz, need_weights,
                     need_head_weights):
@@ -103,27 +94,23 @@ class MixtureOfAttentionHeads(RoutedAttention):
         output projections, each expert's projections applied to its own rows only."""
         plan = ExpertDispatch(routing.selected, self.num_experts, tgt_len, bsz)
         # Selected experts' queries, written straight into the (batch, k, tgt_len, D) layout.
-        q = self.q_experts(x, plan.token, plan.slot_row, plan.group_sizes, plan.num_slot_rows,
+        q = self.q_experts(x, plan.token, plan.slot_row, plan.counts, plan.num_slot_rows,
                            dst_is_permutation=True, experts=plan.expert)
         q = q.view(bsz, self.top_k, tgt_len, self.head_dim)
         o, weights = self._attend(q, keys, values, bias, need_weights, need_head_weights)
         # The gate scales each gathered row inside the projection.
         gates = routing.gates.reshape(-1)[plan.order]
         y = self.o_experts(o.reshape(plan.num_slot_rows, self.head_dim), plan.slot_row, plan.token,
-                           plan.group_sizes, plan.num_tokens, scale=gates, add_bias=False, experts=plan.expert)
+                           plan.counts, plan.num_tokens, scale=gates, add_bias=False, experts=plan.expert)
         if self.o_experts.bias is not None:  # sum_j w_j b_o^{e_j}
             y = y + (routing.gates.unsqueeze(-1) * self.o_experts.bias[routing.selected]).sum(dim=1)
         return y, weights
 
     def _mix_dense(self, x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights):
-        """The same output with no per-expert work: every expert's query and output projection as one
-        matmul each (E/k times the routed path's projection FLOPs), and attention for every expert's
-        query, the unselected experts' outputs gated by zero. Attending with E queries instead of k costs
-        about the same: every query reads the one shared K/V head, and at E/2 multiply-adds per byte of
-        cache read in float32 (E per byte in bf16) multi-query attention is bound by reading the cache on
-        any CPU or GPU; selecting the k queries first would add a gather and a scatter.
-        Weights, when asked for, are the selected experts', in slot order as on the routed path (in
-        expert order when k = E)."""
+        """The same output with no gathers: every expert's query and output projection as one matmul each
+        (E/k times the routed path's projection multiply-adds) and attention for every expert's query, the
+        unselected experts' outputs gated by zero. Weights, when asked for, are the selected experts', in
+        slot order as on the routed path (in expert order when k = E)."""
         num_tokens, e, d = x.size(0), self.num_experts, self.head_dim
         gates = routing.gates.new_zeros(num_tokens, e).scatter(1, routing.selected, routing.gates)  # (N, E)
         q = self.q_experts.fan_out(x).view(tgt_len, bsz, e, d).permute(1, 2, 0, 3)  # (B, E, T, D)

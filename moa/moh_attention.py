@@ -19,10 +19,8 @@ the batch (not to the sequence length), and attends over that head's keys with a
 the queries' positions (causal and padding masks stay exact). The query and output projections of
 the routed heads go through :func:`~moa.experts.expert_linear`, so an unselected head's W_Q^i and
 W_O^i are never applied to that token. Computing every head and multiplying by the gates (zero for
-unselected heads), as the released code does, is the other path, the only one when every routed head
-is active anyway (K = E) or none is (K = 0: the shared heads alone). A decoding step over a long cache
-may also attend with each sentence's active heads only (:meth:`_decode_active_heads`). Training packs;
-without autograd the fastest path for the size is measured where it runs (:meth:`mix`).
+unselected heads), as the released code does, is the other path: when every routed head is active
+anyway (K = E) or none is (K = 0: the shared heads alone), and in incremental decoding (:meth:`mix`).
 
 ``router="query-norm"`` replaces the learned router with the parameter-free one of converted models
 (:class:`~moa.routing.QueryNormHeadRouter`): it needs every routed head's query to score them, so
@@ -38,7 +36,6 @@ from torch import Tensor, nn
 
 from moa.dispatch import HeadPacking
 from moa.experts import expert_linear
-from moa.path_choice import bucket, fastest
 from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
 from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStageHeadRouter
 
@@ -82,7 +79,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
         if bias:
             nn.init.constant_(self.out_proj.bias, 0.0)
 
-    path: Optional[str] = None  # None: chosen per forward (see mix); or "all-heads", "packed", "active-heads"
+    path: Optional[str] = None  # None: by the rule of mix; "all-heads" or "packed" pins one (the tests compare them)
 
     @property
     def computed_heads(self) -> int:
@@ -105,24 +102,18 @@ class MixtureOfHeadsAttention(RoutedAttention):
 
     def mix(self, x, routing: HeadRouting, queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
-        """The module's output by one of its paths, which agree: ``all-heads`` (:meth:`_mix_all_heads`,
-        the only one when every routed head or none is active, or every head's weights are asked for),
-        ``packed`` (:meth:`_mix_active_heads`) and, for a decoding step of one query per sentence without
-        weights, ``active-heads`` (:meth:`_decode_active_heads`). Training packs (only the active heads'
-        work, the method's point); without autograd the fastest for this size, measured where it runs
-        (:func:`~moa.path_choice.fastest`). ``self.path`` pins one (where it applies)."""
-        args = (x, routing, keys, values, bias)
-        if need_head_weights or self.top_k in (0, self.router.routed_heads):
-            return self._mix_all_heads(*args, tgt_len, bsz, need_weights, need_head_weights, queries)
-        candidates = {"all-heads": lambda: self._mix_all_heads(*args, tgt_len, bsz, need_weights, False, queries),
-                      "packed": lambda: self._mix_active_heads(*args, tgt_len, bsz, need_weights, queries)}
-        step = decoding and tgt_len == 1
-        if step and not need_weights:
-            candidates["active-heads"] = lambda: (self._decode_active_heads(*args, queries), None)
-        size = (x.device.type, x.dtype, bucket(x.size(0)), bucket(keys.size(self.time_dim)), step, self.num_heads,
-                self.shared_heads, self.top_k, self.head_dim)
-        pinned = self.path if self.path in candidates else None if self.path is None else next(iter(candidates))
-        return fastest("MoH paths", size, candidates, training="packed", pinned=pinned)
+        """The module's output by one of two paths, which agree, chosen by arithmetic: ``packed``
+        (:meth:`_mix_active_heads`: only the active (token, head) pairs' work, the method's point) for
+        whole sequences, in training and without autograd alike; ``all-heads`` (:meth:`_mix_all_heads`)
+        when every routed head or none is active, when every head's weights are asked for, and for
+        incremental decoding, where each (sentence, head) group of the packed layout holds one query
+        (a beam's with beam-folded cross-attention), so packing would skip no attention and save only
+        the unselected heads' query and output rows, against its gathers. ``self.path`` pins one."""
+        args = (x, routing, keys, values, bias, tgt_len, bsz, need_weights)
+        if need_head_weights or self.top_k in (0, self.router.routed_heads) or self.path == "all-heads" or \
+                (self.path is None and decoding):
+            return self._mix_all_heads(*args, need_head_weights, queries)
+        return self._mix_active_heads(*args, queries)
 
     def _mix_active_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
                           queries: Optional[Tensor] = None):
@@ -148,7 +139,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
             if queries is None:
                 q_weight = self.q_proj.weight[h_s * d:].view(e, d, -1).transpose(1, 2)  # (E, C, D), a view
                 q_bias = None if self.q_proj.bias is None else self.q_proj.bias[h_s * d:].view(e, d)
-                q = expert_linear(x, q_weight, q_bias, plan.token, plan.packed_row, plan.group_sizes,
+                q = expert_linear(x, q_weight, q_bias, plan.token, plan.packed_row, plan.counts,
                                   plan.num_packed_rows, experts=plan.expert)
             else:
                 selected = queries.view(x.size(0), self.num_heads, d)[plan.token,
@@ -159,7 +150,7 @@ class MixtureOfHeadsAttention(RoutedAttention):
                                              _packed_bias(bias, plan.position), need_weights)
             o_weight = self.out_proj.weight[:, h_s * d:].view(-1, e, d).permute(1, 2, 0)  # (E, D, C), a view
             gates = routing.gates.reshape(-1)[plan.order]
-            routed = expert_linear(o.reshape(-1, d), o_weight, None, plan.packed_row, plan.token, plan.group_sizes,
+            routed = expert_linear(o.reshape(-1, d), o_weight, None, plan.packed_row, plan.token, plan.counts,
                                    x.size(0), scale=gates, experts=plan.expert)
             if y is None:  # no shared heads
                 y = routed if self.out_proj.bias is None else routed + self.out_proj.bias
@@ -173,34 +164,6 @@ class MixtureOfHeadsAttention(RoutedAttention):
                 weight_sum = per_token if weight_sum is None else weight_sum + per_token
         weights = weight_sum / (h_s + self.top_k) if need_weights else None
         return y, weights
-
-    def _decode_active_heads(self, x, routing: HeadRouting, keys, values, bias, queries: Optional[Tensor] = None):
-        """One decoding step (one query per sentence) that attends over the cache with each sentence's
-        active heads only: the shared heads and the routed heads it selected. Each (sentence, head) pair
-        is a vector-matrix product with its (S, D) slice of the cache, read in place (a gathered copy
-        would cost as much as attending for every head), so the work over the cache is the active share
-        of the heads'; the Python loop costs a few microseconds per pair, which only a long cache repays
-        (:meth:`mix` measures where). queries: (B, h * D), every head's query when the router computed
-        them; keys, values: (B, h, S, D); bias: additive, broadcastable to (B, 1, 1, S), or None."""
-        h, h_s, d = self.num_heads, self.shared_heads, self.head_dim
-        bsz = x.size(0)
-        if queries is None:
-            queries = self.q_proj(x)  # every head's query: one small matmul at this size
-        q = queries.view(bsz, h, d) * self.scaling
-        active = torch.arange(h_s, device=x.device).expand(bsz, h_s)
-        gates = routing.gates if routing.shared_gates is None else torch.cat([routing.shared_gates, routing.gates], 1)
-        active = torch.cat([active, h_s + routing.selected], dim=1)
-        o = x.new_zeros(bsz, h, d)
-        softmax_dtype = torch.promote_types(q.dtype, torch.float32)
-        for b, heads in enumerate(active.tolist()):  # one host synchronisation per module and step
-            row = None if bias is None else bias[b if bias.size(0) > 1 else 0, 0, 0]
-            for j, i in enumerate(heads):
-                scores = torch.mv(keys[b, i], q[b, i])
-                if row is not None:
-                    scores = scores + row
-                probs = self.dropout_module(torch.softmax(scores, dim=0, dtype=softmax_dtype).type_as(q))
-                o[b, i] = torch.mv(values[b, i].t(), probs) * gates[b, j]
-        return F.linear(o.view(bsz, h * d), self.out_proj.weight, self.out_proj.bias)
 
     def _mix_all_heads(self, x, routing: HeadRouting, keys, values, bias, tgt_len, bsz, need_weights,
                        need_head_weights, queries: Optional[Tensor] = None):

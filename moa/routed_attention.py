@@ -17,8 +17,7 @@ unchanged. :meth:`RoutedAttention.forward` is written once, here:
 5. the subclass's :meth:`~RoutedAttention.mix`: the selected experts' or heads' attention and output.
 
 The attention core itself, softmax(q K^T / sqrt(D) + bias) V with dropout, is :meth:`attention_core`
-(torch's fused ``scaled_dot_product_attention`` or two matmuls, whichever is faster where it runs;
-see :mod:`moa.path_choice`). Subclasses supply
+(torch's fused ``scaled_dot_product_attention``; two matmuls when the weights are asked for). Subclasses supply
 ``_project_key_value``, ``route``, ``mix`` and ``head_outputs`` (every head's or expert's attention and
 output contribution, for ``moa-analyze``). After each forward, ``self.routing`` holds the routing
 decision of the queries (unless ``record_routing`` is off, as in the backward's recomputation under
@@ -33,7 +32,6 @@ import torch.nn.functional as F
 from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
-from moa.path_choice import bucket, fastest
 from moa.routing import Routing
 
 IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
@@ -179,22 +177,13 @@ class RoutedAttention(nn.Module):
     def attention_core(self, q: Tensor, keys: Tensor, values: Tensor, bias: Optional[Tensor],
                        need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
         """softmax(q K^T * scaling + bias) V, with attention dropout in training: torch's fused
-        ``scaled_dot_product_attention`` (training), or two matmuls and a softmax (when the weights are
-        asked for); without autograd, whichever of the two is faster for this shape on this machine
-        (:func:`~moa.path_choice.fastest`: on CPUs the two matmuls have been faster for a decoding
-        step's few queries on some processors and slower on others).
+        ``scaled_dot_product_attention``, or two matmuls and a softmax when the weights are asked for.
 
         q: (B, H, L, D); keys, values: (B, H or 1, S, D); bias: additive, broadcastable to
         (B, H, L, S), or None. Returns o (B, H, L, D) and, with ``need_weights``, the probabilities
         (B, H, L, S) (before dropout)."""
         if need_weights:
             return self._matmul_attention(q, keys, values, bias, need_weights)
-        size = (q.device.type, q.dtype, bucket(q.size(0)), q.size(1), keys.size(1), bucket(q.size(-2)),
-                bucket(keys.size(-2)), q.size(-1), keys.is_contiguous(), bias is None or tuple(bias.shape[1:3]))
-        return fastest("attention", size, {"fused": lambda: self._fused_attention(q, keys, values, bias),
-                                           "matmul": lambda: self._matmul_attention(q, keys, values, bias, False)})
-
-    def _fused_attention(self, q, keys, values, bias):
         dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, dropout_p=dropout,
                                               scale=self.scaling), None

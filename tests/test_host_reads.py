@@ -1,9 +1,8 @@
 """A training step that never waits on the host, proved on a CPU (tests/host_reads.py counts what would).
 
-MoA's routed path with the grouped expert projections (what CUDA runs in bfloat16) makes no host read
-in the forward, the backward and the criterion, nor does the reduction of its figures; MoH's packed
-path reads once per module (the packed layout's length is a shape); a decoding step on MoA's dense
-path and MoH's every-head path reads nothing. fairseq's own Transformer code reads a few times per
+MoA's routed path on the grouped expert projections makes no host read in the forward, the backward
+and the criterion, nor does the reduction of its figures; MoH's packed path reads once per module (the
+packed layout's length is a shape); a decoding step (MoA routed, MoH every head) reads nothing. fairseq's own Transformer code reads a few times per
 step (its padding checks), which docs/speed-and-memory.md lists; they are not the plugin's.
 """
 
@@ -13,7 +12,6 @@ from fairseq import metrics
 
 from helpers import TINY, TINY_MOH, build_model, translation_sample
 from host_reads import HostReads
-from moa import experts
 from moa.criterions.moa_label_smoothed_cross_entropy import MoALabelSmoothedCrossEntropyCriterion
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
@@ -37,37 +35,27 @@ def training_step_reads(model, checkpoint=False):
     return reads
 
 
-@pytest.fixture
-def grouped(monkeypatch):
-    monkeypatch.setattr(experts, "METHOD", "grouped")
-    monkeypatch.setattr(MixtureOfAttentionHeads, "path", "routed")
-
-
 @pytest.mark.parametrize("flags", [TINY, TINY + ["--checkpoint-activations"]], ids=["plain", "checkpointed"])
-def test_a_moa_training_step_on_the_grouped_projections_reads_nothing_on_the_host(grouped, flags):
+def test_a_moa_training_step_on_the_grouped_projections_reads_nothing_on_the_host(flags):
     reads = training_step_reads(build_model("moa_small", 40, flags))
     assert reads.from_package("moa") == []
     assert reads.calls and all("fairseq" in where for _, where in reads.calls)  # fairseq's padding checks
 
 
-def test_a_moh_training_step_reads_once_per_packed_module(monkeypatch):
-    monkeypatch.setattr(MixtureOfHeadsAttention, "path", "packed")
+def test_a_moh_training_step_reads_once_per_packed_module():
     model = build_model("moh_small", 40, MOH)
     modules = sum(isinstance(m, MixtureOfHeadsAttention) for m in model.modules())
     reads = training_step_reads(model).from_package("moa")
     assert 0 < len(reads) <= modules
-    assert {name for name, _ in reads} == {"tolist"} and all("dispatch.py" in where for _, where in reads)
+    assert {name for name, _ in reads} == {"item"} and all("dispatch.py" in where for _, where in reads)
 
 
-@pytest.mark.parametrize("arch, flags, path", [("moa_small", TINY, "dense"), ("moh_small", MOH, "all-heads")])
-def test_decoding_steps_read_nothing_on_the_host(monkeypatch, arch, flags, path):
+@pytest.mark.parametrize("arch, flags", [("moa_small", TINY), ("moh_small", MOH)])
+def test_decoding_steps_read_nothing_on_the_host(monkeypatch, arch, flags):
     """Beam search's steps after the first (which checks once whether the beam's rows share a source)."""
     from fairseq.sequence_generator import SequenceGenerator
 
     model = build_model(arch, 40, flags).eval()
-    for module in model.modules():
-        if isinstance(module, (MixtureOfAttentionHeads, MixtureOfHeadsAttention)):
-            module.path = path
     steps = []
     original = type(model.decoder).forward
 
@@ -87,9 +75,9 @@ def test_decoding_steps_read_nothing_on_the_host(monkeypatch, arch, flags, path)
 
 
 @pytest.mark.slow
-def test_the_moa_routed_training_path_compiles_whole_and_equals_eager(grouped):
+def test_the_moa_routed_training_path_compiles_whole_and_equals_eager():
     """torch.compile(fullgraph=True, dynamic=True) of a MoA module's routed training forward (the grouped
-    projections, bfloat16: the grouped GEMM's dtype) gives eager's output, losses and every gradient."""
+    projections in bfloat16, their groups padded for the CPU's kernels) gives eager's output, losses and every gradient."""
     torch.manual_seed(0)
     module = MixtureOfAttentionHeads(32, 4, 2, 8, self_attention=True, router_init="normal").bfloat16().train()
     module.dropout_module.p = 0.0
