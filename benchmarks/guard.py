@@ -1,98 +1,234 @@
-"""The speed guard: the main jobs' speed against the same-shape Transformer, checked against README.
+"""The speed guard: this working tree against a base commit, side by side in one run.
 
-    .venv/bin/python -m benchmarks.guard            # about a minute on 2 idle cores; exit 1 on a regression
-    .venv/bin/python -m benchmarks.guard --threads 1
+    .venv/bin/python -m benchmarks.guard                     # against main's last commit; about 2 minutes
+    .venv/bin/python -m benchmarks.guard --base 3b92393
+    .venv/bin/python -m benchmarks.guard --base HEAD --inject-slowdown train-moa=0.1   # must fail
 
-Three jobs, each timed for the routed models and their Transformer twin side by side, in interleaved
-rounds in one process (the first round warms up, and measures the paths :mod:`moa.path_choice` picks):
+As airspeed velocity's ``asv continuous`` does: the base's ``moa`` package (``git archive REF``) and the
+working tree's are copied into temporary folders, and each side has a worker process of its own (this
+file, with that side's ``moa`` first on the path; torch and fairseq from this venv) that imports once
+and forks a fresh process per measurement, which builds the job's model from seed 0. The parent runs
+one process at a time, so the sides never share the cores. Jobs, at the Multi30k shape (``moa_small``,
+``moh_small``, 8,000 symbols) and the LM shape:
 
-* ``train``: one training step (criterion forward, backward, Adam step) on 128 x 16 tokens at the
-  Multi30k shape (``moa_small``, ``moh_small`` against fairseq's Transformer of the same shape);
-* ``decode``: beam-4 decoding of 32 sentences of 16 tokens, every hypothesis forced to 16 tokens;
-* ``lm``: one decoding step of 8 sentences after 2,048 cached tokens (``moa_lm_small``, ``moh_lm_small``
-  at 50% of the heads against ``transformer_lm_small``).
+* ``train-moa``, ``train-moh``: one training step (criterion forward, backward, Adam step), 16 x 16 tokens;
+* ``decode-moa``, ``decode-moh``: beam-4 decoding of 16 sentences, every hypothesis forced to 16 tokens;
+* ``lm-moa``, ``lm-moh``: four decoding steps of 8 sentences after 2,048 cached tokens (``moa_lm_small``;
+  ``moh_lm_small`` at 50% of the heads).
 
-A ratio is the median over rounds of the model's time over the reference's in the same round, the
-reference timed twice per round (first and last) and averaged. The machine's noise is measured in the
-same run: the ratio of the reference's two timings (an A/A comparison, 1 in expectation) spreads by
-the noise of one round; the median of n such ratios has a standard error of about
-1.2533 * 1.4826 * MAD / sqrt(n). The job's noise is the larger of twice the A/A median's standard
-error and its distance from 1 (a drift between the first and the last timing of a round). A ratio fails
-when it exceeds README's figure by more than the largest of: twice the standard error of its own
-per-round ratios, the job's noise, and 2%. The guard prints each ratio beside README's figure and exits
-1 on a failure (2 when README has no figure for a ratio). On a shared or virtual machine the noise
-can change between runs by more than within one: a failure that a rerun does not repeat is the machine.
+Each job is measured in 4 pairs of fresh processes (one per side; which side goes first alternates
+between pairs), each pair a warm-up run and then rounds that alternate the order of the two sides; a
+round's figure is new / base of the workers' CPU times (every thread's). On this project's 2-core
+virtual machines one run's time moves by 5-20% and a process's by several per cent for its whole life
+(docs/speed-and-memory.md), hence fresh processes, small problems and many rounds. The job's ratio is
+the median of every round's; its noise twice that median's standard error (1.2533 * 1.4826 * MAD /
+sqrt(n)), at least 2%; the job fails when its ratio exceeds 1 by more than its noise (exit 1).
+``--inject-slowdown JOB=F`` makes the new side burn F times its own CPU time after each run of JOB,
+to see the guard fail on a regression of that size.
 """
 
 import argparse
 import math
 import os
-import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
-STARTED = time.perf_counter()  # before torch's import, which the minute includes
-
-import torch  # noqa: E402
-
-from benchmarks.common import ROOT
-
-JOBS = {"train": ["moa_small", "moh_small"], "decode": ["moa_small", "moh_small"], "lm": ["moa", "moh-50"]}
-REFERENCES = ("transformer", "transformer again")  # two copies of the twin, for the A/A comparison
-README_MODELS = {"moa": "moa_lm_small", "moh-50": "moh_lm_small 50%"}  # the LM models' names in the report
-README_ROWS = {"train": "training step", "decode": "beam-4 decoding", "lm": "LM decoding step after 2,048 tokens"}
-MIN_MARGIN = 0.02
+STARTED = time.perf_counter()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOBS = ("train-moa", "train-moh", "decode-moa", "decode-moh", "lm-moa", "lm-moh")
+ROUNDS = {"train": 10, "decode": 6, "lm": 8}  # timed rounds per process pair, by job kind
+MIN_NOISE = 0.02
+VOCABULARY, LENGTH, SENTENCES, TRAIN_BATCH = 8000, 16, 16, 16
+LM_CONTEXT, LM_BATCH, LM_STEPS = 2048, 8, 4
+MODELS = {"moa": ("moa_small", "moa_lm_small", []),
+          "moh": ("moh_small", "moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k", "1"])}
 
 
-def translation_jobs(names):
-    """name -> (train step, beam decode) at the Multi30k shape (benchmarks.moa_speed's ``small`` section)."""
-    from benchmarks.moa_speed import SHAPES, beam_decode, shape_model, synthetic_batch, train_step
+# ---- the worker: one side's models and jobs -------------------------------------------------------
 
-    _, _, _, bsz, length, sentences = SHAPES["small"]
-    jobs = {}
-    for name in names:
-        model = shape_model("small", name.replace(" again", ""), torch.device("cpu"))
-        sample = synthetic_batch(model, bsz, length, length, torch.device("cpu"))
-        jobs[name] = (train_step(model, name, sample), beam_decode(model, sample, sentences, length))
-    return jobs
+def worker(tree, threads):
+    """One side: import torch, fairseq and the ``moa`` of ``tree`` once, then for each ``job NAME`` line
+    of stdin fork a process that builds that job's model (so that every job starts from the same fresh
+    heap on both sides, whatever ran before it) and answers each ``run`` line with ``GUARD <cpu seconds>
+    <wall seconds>`` of one run, until ``end`` (answered ``GUARD done``)."""
+    sys.path.insert(0, tree)
+    import torch
+    import fairseq.options  # noqa: F401
+    import moa  # noqa: F401  (this side's, registered before fairseq reads --user-dir)
 
-
-def lm_jobs(names, context=2048, bsz=8, steps=4):
-    """name -> ``steps`` decoding steps after ``context`` cached tokens (benchmarks.lm_decoding's models)."""
-    from benchmarks.lm_decoding import MODELS, build_lm, filled_state
-
-    jobs = {}
-    for name in names:
-        model = build_lm(*MODELS[name.replace(" again", "")][1:], max_positions=context + 16)
-        state = filled_state(model, bsz, context)
-        tokens = torch.randint(4, 100, (bsz, context + 1))
-
-        def step(model=model, state=state, tokens=tokens):
-            with torch.no_grad():
-                for _ in range(steps):  # from the same cache each time
-                    model(tokens, incremental_state={key: dict(value) for key, value in state.items()})
-        jobs[name] = step
-    return jobs
-
-
-def interleaved(jobs, rounds):
-    """Per-round seconds of every job, run in turn (so that none runs twice in a row); round 0 warms up."""
-    times = {name: [] for name in jobs}
-    for round_ in range(rounds + 1):
-        for name, run in jobs.items():
-            start = time.perf_counter()
+    if not os.path.abspath(moa.__file__).startswith(os.path.abspath(tree) + os.sep):
+        raise SystemExit(f"guard worker: imported moa from {moa.__file__}, not from {tree}")
+    if threads:
+        torch.set_num_threads(threads)
+    folder = tempfile.mkdtemp(prefix="moa-guard-")
+    answer("ready")
+    while True:
+        line = sys.stdin.readline().split()
+        if not line:
+            return
+        pid = os.fork()
+        if pid:
+            os.waitpid(pid, 0)
+            continue
+        run = build_job(line[1], os.path.join(tree, "moa"), folder)
+        answer("ready")
+        while sys.stdin.readline().strip() == "run":
+            cpu, wall = time.process_time(), time.perf_counter()
             run()
-            if round_:
-                times[name].append(time.perf_counter() - start)
-    return times
+            answer(f"{time.process_time() - cpu:.6f} {time.perf_counter() - wall:.6f}")
+        answer("done")  # before the next line is sent, which this process's buffered stdin must not read
+        os._exit(0)
 
 
-def ratios(times, names):
-    """name -> per-round ratios to the mean of the two references' times; and the references' A/A ratios."""
-    base = [(a + b) / 2 for a, b in zip(times[REFERENCES[0]], times[REFERENCES[1]])]
-    per_round = {name: [t / b for t, b in zip(times[name], base)] for name in names}
-    return per_round, [b / a for a, b in zip(*(times[r] for r in REFERENCES))]
+def answer(text):
+    sys.stdout.write(f"GUARD {text}\n")
+    sys.stdout.flush()
+
+
+def build_job(job, user_dir, folder):
+    """A call that runs ``job`` once, its model built through fairseq's parser from seed 0."""
+    import torch
+    from fairseq import options, tasks
+    from fairseq.data import Dictionary
+
+    kind, family = job.split("-")
+    translation, lm, flags = MODELS[family]
+    dictionary = Dictionary()
+    for i in range(VOCABULARY - 4):
+        dictionary.add_symbol(f"w{i}")
+    for name in ("dict.en.txt", "dict.de.txt", "dict.txt"):
+        dictionary.save(os.path.join(folder, name))
+    common = [folder, "--user-dir", user_dir, "--dropout", "0.1"] + flags
+    if kind == "lm":
+        argv = common + ["--task", "language_modeling", "--arch", lm, "--tokens-per-sample", str(LM_CONTEXT + 64),
+                         "--max-target-positions", str(LM_CONTEXT + 64), "--criterion", "moa_cross_entropy"]
+    else:
+        argv = common + ["--arch", translation, "--share-all-embeddings", "-s", "en", "-t", "de",
+                         "--criterion", "moa_label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    task = tasks.setup_task(args)
+    torch.manual_seed(0)
+    model = task.build_model(args)
+    generator = torch.Generator().manual_seed(1)
+    if kind == "lm":
+        return lm_steps(model.eval(), generator)
+    bsz = TRAIN_BATCH if kind == "train" else SENTENCES
+    src, tgt = (torch.randint(4, VOCABULARY, (bsz, LENGTH), generator=generator) for _ in range(2))
+    if kind == "train":
+        prev = torch.cat([torch.full((bsz, 1), dictionary.eos()), tgt[:, :-1]], 1)
+        sample = {"id": torch.arange(bsz), "nsentences": bsz, "ntokens": bsz * LENGTH, "target": tgt,
+                  "net_input": {"src_tokens": src, "src_lengths": torch.full((bsz,), LENGTH), "prev_output_tokens": prev}}
+        criterion, optimizer = task.build_criterion(args), torch.optim.Adam(model.parameters(), lr=1e-4)
+        model.train()
+
+        def step():
+            optimizer.zero_grad()
+            criterion(model, sample)[0].backward()
+            optimizer.step()
+        return step
+    gen_args = options.parse_args_and_arch(options.get_generation_parser(), [
+        folder, "--user-dir", user_dir, "--beam", "4", "--min-len", str(LENGTH), "--max-len-a", "0",
+        "--max-len-b", str(LENGTH), "-s", "en", "-t", "de"])
+    beam = task.build_generator([model.eval()], gen_args)
+    sample = {"id": torch.arange(bsz), "net_input": {"src_tokens": src, "src_lengths": torch.full((bsz,), LENGTH)}}
+
+    def decode():
+        with torch.no_grad():
+            task.inference_step(beam, [model], sample)
+    return decode
+
+
+def lm_steps(model, generator):
+    """``LM_STEPS`` decoding steps from one cache of ``LM_CONTEXT`` random keys and values per layer, made
+    through the model's own code: one step makes every cache, each is replaced by ``LM_CONTEXT`` random
+    positions (its time axis the second to last), and one more step lets the module store them its way."""
+    import torch
+
+    tokens = torch.randint(4, VOCABULARY, (LM_BATCH, LM_CONTEXT + LM_STEPS + 2), generator=generator)
+    state = {}
+    with torch.no_grad():
+        model(tokens[:, :1], incremental_state=state)
+        for buffer in state.values():
+            for name in [key for key in buffer if key not in ("prev_key", "prev_value")]:
+                del buffer[name]  # padding masks and a side's own stores: made again from the new caches
+            for name in ("prev_key", "prev_value"):
+                shape = list(buffer[name].shape)
+                shape[-2] = LM_CONTEXT
+                buffer[name] = torch.randn(shape, generator=generator)
+        model(tokens[:, :LM_CONTEXT + 1], incremental_state=state)
+
+    def steps():
+        with torch.no_grad():
+            for i in range(LM_STEPS):  # from the same cache each time
+                model(tokens[:, :LM_CONTEXT + 2 + i], incremental_state={key: dict(value) for key, value in state.items()})
+    return steps
+
+
+# ---- the parent: two workers, interleaved rounds, the verdict --------------------------------------
+
+class Side:
+    """A worker process for one side; :meth:`run` times one run of a job."""
+
+    def __init__(self, name, tree, threads, slowdown=None):
+        self.name, self.slowdown = name, slowdown or {}
+        command = [sys.executable, os.path.abspath(__file__), "--worker", tree]
+        if threads:
+            command += ["--threads", str(threads)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        stderr=subprocess.DEVNULL, cwd=tree)
+
+    def answer(self):
+        for line in self.process.stdout:
+            if line.startswith("GUARD "):
+                return line.split()[1:]
+        raise RuntimeError(f"the {self.name} worker stopped (run it alone to see why: "
+                           f"{sys.executable} {__file__} --worker TREE, then type: job {JOBS[0]}, run)")
+
+    def send(self, line):
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def start(self, job):
+        """Build ``job`` in a fresh process."""
+        self.job = job
+        self.send(f"job {job}")
+        self.answer()
+
+    def run(self):
+        self.send("run")
+        cpu, wall = map(float, self.answer())
+        job = self.job
+        extra = self.slowdown.get(job, 0.0) * cpu
+        if extra:  # the injected regression: burn that much more CPU time
+            until = time.process_time() + extra
+            while time.process_time() < until:
+                pass
+        return cpu + extra
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def measure_pair(sides, job, rounds, first):
+    """new / base for ``job`` in one fresh process per side: ``rounds`` per-round ratios after a warm-up
+    run, the side ``first`` (0 or 1) built and run first, then the order alternating."""
+    sides = sides if first == 0 else sides[::-1]
+    for side in sides:
+        side.start(job)
+        side.run()  # warm-up
+    ratios = []
+    for round_ in range(rounds):
+        times = {side.name: side.run() for side in (sides if round_ % 2 == 0 else sides[::-1])}
+        ratios.append(times["new"] / times["base"])
+    for side in sides:
+        side.send("end")
+        side.answer()
+    return ratios
 
 
 def median_error(values):
@@ -102,68 +238,81 @@ def median_error(values):
     return 1.2533 * 1.4826 * mad / math.sqrt(len(values))
 
 
-def readme_figures(path=os.path.join(ROOT, "README.md")):
-    """(job, column) -> the ratio README's guard table quotes; its columns are MoA and MoH, in the
-    order of each job's routed models."""
-    figures = {}
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    header = re.search(r"^\| speed, as `python -m benchmarks.guard` measures it \|", text, re.M)
-    if not header:
-        return figures
-    for job, label in README_ROWS.items():
-        row = re.search(rf"^\| {re.escape(label)}[^|]*\|(.*)\|$", text[header.end():], re.M)
-        if not row:
-            continue
-        for column, cell in enumerate(row.group(1).split("|")):
-            number = re.search(r"(\d+\.\d+)x", cell)
-            if number:
-                figures[(job, column)] = float(number.group(1))
-    return figures
+def verdict(ratios):
+    """(ratio, noise, failed) of a job from its per-round ratios (every process pair's): their median,
+    twice its standard error (at least ``MIN_NOISE``), and whether the ratio exceeds 1 by more than that."""
+    ratio = statistics.median(ratios)
+    noise = max(MIN_NOISE, 2 * median_error(ratios))
+    return ratio, noise, ratio > 1 + noise
+
+
+def checkout(ref, folder):
+    """REF's ``moa`` package (committed files) into ``folder``; its commit id."""
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{ref}^{{commit}}"], capture_output=True,
+                            text=True)
+    if commit.returncode:
+        raise SystemExit(f"--base {ref}: not a commit of this repository ({commit.stderr.strip()})")
+    archive = subprocess.Popen(["git", "-C", ROOT, "archive", commit.stdout.strip(), "moa"], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", folder], stdin=archive.stdout, check=True)
+    archive.wait()
+    return commit.stdout.strip()
+
+
+def parse_slowdown(values):
+    slowdown = {}
+    for value in values or ():
+        job, _, fraction = value.partition("=")
+        if job not in JOBS:
+            raise SystemExit(f"--inject-slowdown {value}: expected JOB=FRACTION with JOB one of {', '.join(JOBS)}")
+        slowdown[job] = float(fraction)
+    return slowdown
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.guard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, nargs=3, default=[4, 8, 8], metavar=("TRAIN", "DECODE", "LM"),
-                        help="timed rounds of each job (after one warm-up round)")
-    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own)")
-    parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS), help="a subset of the jobs")
+    parser.add_argument("--base", default="main", help="the commit to compare with (default: main's last commit)")
+    parser.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS), help="a subset of the jobs")
+    parser.add_argument("--processes", type=int, default=4, help="process pairs per job (default 4)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per process pair (default: train 10, decode 6, lm 8)")
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads in both workers (default: torch's own)")
+    parser.add_argument("--inject-slowdown", nargs="+", metavar="JOB=FRACTION",
+                        help="make the new side that much slower at JOB (to see the guard fail)")
+    parser.add_argument("--worker", metavar="TREE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    order = [REFERENCES[0], "moa_small", REFERENCES[1], "moh_small"]  # no model runs twice in a row
-    translation = translation_jobs(order) if {"train", "decode"} & set(args.jobs) else {}
-    job_runs = {"train": {name: jobs[0] for name, jobs in translation.items()},
-                "decode": {name: jobs[1] for name, jobs in translation.items()},
-                "lm": lm_jobs([REFERENCES[0], "moa", REFERENCES[1], "moh-50"]) if "lm" in args.jobs else {}}
-    quoted = readme_figures()
-    failed = missing = False
-    print(f"{'job':8s} {'model':18s} {'ratio':>7s} {'README':>7s} {'margin':>7s}  verdict")
-    for (job, names), rounds in zip(JOBS.items(), args.rounds):
-        if job not in args.jobs:
-            continue
-        job_started = time.perf_counter()
-        per_round, same = ratios(interleaved(job_runs[job], rounds), names)
-        noise = max(2 * median_error(same), abs(statistics.median(same) - 1))
-        print(f"{job:8s} {'A/A (noise)':18s} {statistics.median(same):7.3f} {'':>7s} {noise:7.3f}  "
-              f"{rounds} rounds, {time.perf_counter() - job_started:.0f} s")
-        for column, name in enumerate(names):
-            ratio = statistics.median(per_round[name])
-            margin = max(MIN_MARGIN, 2 * median_error(per_round[name]), noise)
-            model = README_MODELS.get(name, name)
-            figure = quoted.get((job, column))
-            if figure is None:
-                verdict, missing = "no README figure", True
-            elif ratio > figure + margin:
-                verdict, failed = f"SLOWER than README by {ratio - figure:.3f}", True
-            else:
-                verdict = "ok"
-            print(f"{job:8s} {model:18s} {ratio:7.3f} {figure or float('nan'):7.2f} {margin:7.3f}  {verdict}",
-                  flush=True)
-    print(f"{time.perf_counter() - STARTED:.0f} s in all, {torch.get_num_threads()} threads")
-    return 1 if failed else 2 if missing else 0
+    if args.worker:
+        return worker(args.worker, args.threads)
+    slowdown = parse_slowdown(args.inject_slowdown)
+    with tempfile.TemporaryDirectory(prefix="moa-guard-base-") as base_tree, \
+            tempfile.TemporaryDirectory(prefix="moa-guard-new-") as new_tree:
+        commit = checkout(args.base, base_tree)
+        # the working tree's moa, copied as the base's is, so that the two sides differ in their code alone
+        shutil.copytree(os.path.join(ROOT, "moa"), os.path.join(new_tree, "moa"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        sides = [Side("base", base_tree, args.threads), Side("new", new_tree, args.threads, slowdown)]
+        try:
+            for side in sides:
+                side.answer()  # built
+            print(f"new: the working tree at {ROOT}; base: {args.base} = {commit[:10]}; "
+                  f"started in {time.perf_counter() - STARTED:.0f} s")
+            print(f"{'job':11s} {'new/base':>8s} {'noise':>6s}  verdict")
+            failed = False
+            for job in args.jobs:
+                started = time.perf_counter()
+                rounds = args.rounds or ROUNDS[job.split("-")[0]]
+                pairs = [measure_pair(sides, job, rounds, pair % 2) for pair in range(args.processes)]
+                ratio, noise, slower = verdict([r for pair in pairs for r in pair])
+                failed |= slower
+                print(f"{job:11s} {ratio:8.3f} {noise:6.3f}  {'SLOWER' if slower else 'ok':6s}  "
+                      f"{args.processes} x {rounds} rounds, {time.perf_counter() - started:.0f} s; "
+                      f"medians per process pair: {' '.join(f'{statistics.median(p):.3f}' for p in pairs)}", flush=True)
+        finally:
+            for side in sides:
+                side.close()
+    import torch
+    print(f"{time.perf_counter() - STARTED:.0f} s in all, {args.threads or torch.get_num_threads()} threads; "
+          f"{'a job is slower than the base beyond its noise' if failed else 'no job slower than the base beyond its noise'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
