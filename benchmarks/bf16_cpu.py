@@ -64,7 +64,7 @@ def trainer_for(name, precision):
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
-    from moa.precision import without_xla
+    from moa.fairseq_fixes.precision import without_xla
 
     arch, flags, size, _, _ = ARCHS[name]
     criterion = "label_smoothed_cross_entropy" if arch == "transformer" else "moa_label_smoothed_cross_entropy"

@@ -34,7 +34,7 @@ def load_checkpoint(path: str) -> dict:
     import torch
 
     import moa  # noqa: F401  (registers the checkpoint allow-list)
-    from moa.checkpoint_safety import DamagedCheckpointError, verified_checkpoint
+    from moa.fairseq_fixes.checkpoint_safety import DamagedCheckpointError, verified_checkpoint
 
     try:
         with verified_checkpoint(path) as checked:  # read from disk once, loaded from the bytes checked
@@ -76,7 +76,7 @@ def save_atomically(state: dict, path: str) -> None:
     kill at any moment leaves the old file or the new one, never part of one."""
     import torch
 
-    from moa.atomic_files import atomic_file
+    from moa.fairseq_fixes.atomic_files import atomic_file
 
     with atomic_file(path) as temporary:
         torch.save(state, temporary)

@@ -206,24 +206,34 @@ def test_the_gpu_check_runs_its_cpu_part(tmp_path):
     assert bad.returncode == 2 and "usage" in bad.stderr
 
 
-def test_guard_reads_every_figure_it_checks_from_readme():
-    """README's speed table quotes a figure for every ratio the guard measures (else the guard exits 2),
-    and a table under another heading is not read."""
+def test_guard_verdict_is_the_median_ratio_against_twice_its_standard_error():
     from benchmarks import guard
 
-    figures = guard.readme_figures()
-    expected = {(job, column) for job, names in guard.JOBS.items() for column in range(len(names))}
-    assert set(figures) == expected
-    assert all(0.05 < value < 3 for value in figures.values())
+    assert guard.verdict([1.0] * 8) == (1.0, guard.MIN_NOISE, False)  # no spread: the 2% floor
+    ratio, noise, failed = guard.verdict([1.1] * 7 + [1.3])
+    assert ratio == pytest.approx(1.1) and failed
+    ratio, noise, failed = guard.verdict([0.8, 1.3, 1.0, 1.1, 0.9, 1.2])  # median 1.05 in a spread that wide
+    assert ratio == pytest.approx(1.05) and noise > 0.05 and not failed
 
 
-def test_guard_ratios_are_per_round_against_both_references():
+def test_guard_checks_out_the_base_and_refuses_what_is_not_a_commit(tmp_path):
     from benchmarks import guard
 
-    first, second = guard.REFERENCES
-    times = {first: [1.0, 2.0, 1.0], second: [1.0, 2.0, 3.0], "moa": [1.0, 4.0, 1.0]}
-    per_round, same = guard.ratios(times, ["moa"])
-    assert per_round["moa"] == [1.0, 2.0, 0.5]  # each round against the mean of its two references
-    assert same == [1.0, 1.0, 3.0]
-    assert guard.median_error([1.0, 1.0, 1.0]) == 0.0
-    assert guard.median_error([0.9, 1.0, 1.1, 1.0]) > 0
+    commit = guard.checkout("HEAD", str(tmp_path))
+    assert len(commit) == 40 and (tmp_path / "moa" / "experts.py").is_file()
+    assert not (tmp_path / "tests").exists()  # the package alone
+    with pytest.raises(SystemExit, match="--base no-such-ref: not a commit"):
+        guard.checkout("no-such-ref", str(tmp_path))
+    with pytest.raises(SystemExit, match="JOB=FRACTION"):
+        guard.parse_slowdown(["train=0.1"])
+
+
+@pytest.mark.slow
+def test_the_guard_fails_on_an_injected_slowdown():
+    """The whole guard, one job, the working tree against HEAD: three times slower is caught."""
+    run = subprocess.run([sys.executable, "-m", "benchmarks.guard", "--base", "HEAD", "--jobs", "lm-moa",
+                          "--processes", "2", "--rounds", "2", "--inject-slowdown", "lm-moa=2"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    row = re.search(r"^lm-moa +(\d+\.\d+) +(\d+\.\d+)  SLOWER", run.stdout, re.M)
+    assert row and float(row.group(1)) > 2

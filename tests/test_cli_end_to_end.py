@@ -13,7 +13,7 @@ import torch
 from fairseq.data import Dictionary
 
 from helpers import run_cli
-from moa.checkpoint_safety import fairseq_checkpoint_globals
+from moa.fairseq_fixes.checkpoint_safety import fairseq_checkpoint_globals
 from moa_tools import USER_DIR
 from moa_tools.commands.demo import write_corpus
 from moa_tools.scoring import read_hypotheses

@@ -7,7 +7,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from moa.checkpoint_safety import DamagedCheckpointError
+from moa.fairseq_fixes.checkpoint_safety import DamagedCheckpointError
 from moa_tools import ToolError
 from moa_tools.checkpoints import load_checkpoint
 
@@ -76,7 +76,7 @@ def test_a_checkpoint_is_read_from_disk_once_and_loaded_from_the_checked_bytes(f
 
 
 def test_the_fallback_takes_only_the_checkpoints_of_the_same_run_and_shard(tmp_path):
-    from moa.checkpoint_safety import run_checkpoints
+    from moa.fairseq_fixes.checkpoint_safety import run_checkpoints
 
     names = ["checkpoint_last.pt", "checkpoint_best.pt", "checkpoint3.pt", "checkpoint_2_200.pt",
              "checkpoint.best_loss_4.21.pt", "checkpoint_last-shard1.pt", "checkpoint_2_200-shard1.pt",

@@ -164,7 +164,7 @@ def transformer_checkpoints(data_bin, tmp_path_factory):
 
 @pytest.mark.parametrize("tool", ["moa-average-checkpoints", "moa-convert-moh"])
 def test_a_killed_tool_leaves_the_old_output_or_the_whole_new_one(transformer_checkpoints, tool, tmp_path):
-    from moa.checkpoint_safety import checkpoint_damage
+    from moa.fairseq_fixes.checkpoint_safety import checkpoint_damage
 
     out = tmp_path / "out.pt"
     out.write_bytes(b"the old output")

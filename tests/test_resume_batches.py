@@ -4,7 +4,7 @@ fairseq-fixed groups the training sentences into batches with numpy seeded by ``
 epoch in which the batch iterator is created, and reuses that iterator for every later epoch. A
 straight run creates it in epoch 1; a resumed run used to create it in the epoch it resumed in, and
 so trained on other batches (the first update after an end-of-epoch checkpoint already differed).
-The plugin builds a resumed iterator as epoch 1 does (:mod:`moa.crash_safe_training`).
+The plugin builds a resumed iterator as epoch 1 does (:mod:`moa.fairseq_fixes.crash_safe_training`).
 """
 
 import numpy as np

@@ -36,11 +36,11 @@ replaced                                                  why
                                                           gains it, numpy itself is left alone
 ========================================================  ==========================================
 
-:mod:`moa.crash_safe_training` explains the checkpoint and batch patches, :mod:`moa.precision` the
+:mod:`moa.fairseq_fixes.crash_safe_training` explains the checkpoint and batch patches, :mod:`moa.fairseq_fixes.precision` the
 bfloat16 ones.
 
 It also registers with torch's weights-only unpickler exactly the classes fairseq checkpoints hold
-(:func:`~moa.checkpoint_safety.fairseq_checkpoint_globals`), and undoes a side effect of importing
+(:func:`~moa.fairseq_fixes.checkpoint_safety.fairseq_checkpoint_globals`), and undoes a side effect of importing
 fairseq: its ``wav2vec2_classification`` and text-to-speech modules call ``logging.basicConfig(level=
 DEBUG)`` when imported, which turns on debug logging in any program that imports fairseq before
 configuring logging itself (fairseq's own CLIs configure it first, so nothing changes there).
@@ -65,7 +65,7 @@ class Patch(NamedTuple):
 
 
 def _patches():
-    from moa import checkpoint_safety, crash_safe_training, distributed, precision
+    from moa.fairseq_fixes import checkpoint_safety, crash_safe_training, distributed, precision
 
     return [
         Patch("fairseq.checkpoint_utils", "load_checkpoint_to_cpu", checkpoint_safety.checked_checkpoint_loader,
@@ -118,7 +118,7 @@ def numpy_with_compat_long(numpy):
 
 def apply() -> None:
     """Install every patch of :func:`_patches` that is not installed yet, and the checkpoint allow-list."""
-    from moa.checkpoint_safety import allow_fairseq_checkpoint_globals
+    from moa.fairseq_fixes.checkpoint_safety import allow_fairseq_checkpoint_globals
 
     _import_keeping_logging("fairseq")
     allow_fairseq_checkpoint_globals()

@@ -8,7 +8,7 @@ CUDA device count, so each CPU process trains alone, all writing to one save dir
 divides the rank by the CUDA device count (``ZeroDivisionError``); and its ``c10d`` backend hands
 torch's ``DistributedDataParallel`` ``device_ids=[device_id]``, which torch refuses for a CPU
 module. The replacements below (installed when the plugin is imported, before fairseq reads the
-launch environment, by :mod:`moa.fairseq_patches`) fix them:
+launch environment, by :mod:`moa.fairseq_fixes.patches`) fix them:
 
 * under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the world size is
   torchrun's, as fairseq itself does on GPUs; without CUDA each process is rank ``RANK`` on device 0;
@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from moa.checkpoint_safety import broadcast_state_globals
+from moa.fairseq_fixes.checkpoint_safety import broadcast_state_globals
 
 TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
@@ -75,7 +75,7 @@ class CPUAwareDistributedDataParallel(torch.nn.parallel.DistributedDataParallel)
 
 
 def broadcast_with_state_globals(fairseq_broadcast_object):
-    """fairseq's ``broadcast_object`` with :func:`~moa.checkpoint_safety.broadcast_state_globals`
+    """fairseq's ``broadcast_object`` with :func:`~moa.fairseq_fixes.checkpoint_safety.broadcast_state_globals`
     allowed to the safe unpickler while the object is received: how the other ranks get the
     training state rank 0 loaded when a data-parallel run resumes."""
 

@@ -1,5 +1,5 @@
 """Training that survives being killed at any moment: exact resumes, complete checkpoint files, and a
-finished run that stays finished. What :mod:`moa.fairseq_patches` installs into fairseq:
+finished run that stays finished. What :mod:`moa.fairseq_fixes.patches` installs into fairseq:
 
 * **The same batches after a resume.** fairseq-fixed builds the training batches with numpy seeded by
   ``seed + epoch`` of the epoch in which the batch iterator is created, and a run reuses that iterator
@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 
-from moa.atomic_files import atomic_copy, fsync_file
+from moa.fairseq_fixes.atomic_files import atomic_copy, fsync_file
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def resuming_past_damage(load_checkpoint):
     ``--restore-file``) turns out damaged as it is read, the newest complete checkpoint of the same run
     (its ``--checkpoint-suffix`` and shard) is loaded instead. Rank 0 reads and the other ranks receive
     what it loaded, as fairseq broadcasts it."""
-    from moa.checkpoint_safety import DamagedCheckpointError, run_checkpoints
+    from moa.fairseq_fixes.checkpoint_safety import DamagedCheckpointError, run_checkpoints
 
     def wrapper(self, filename, *args, **kwargs):
         try:

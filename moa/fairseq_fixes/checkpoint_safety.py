@@ -48,7 +48,7 @@ def broadcast_state_globals():
     """What a fairseq training state holds besides :func:`fairseq_checkpoint_globals` once loaded:
     rank 0 sends it to the other ranks when a data-parallel run resumes (fairseq's
     ``broadcast_object``), pickled with its omegaconf config and fairseq's tensor placeholders.
-    Allowed only while a broadcast is received (:mod:`moa.distributed`), never for files."""
+    Allowed only while a broadcast is received (:mod:`moa.fairseq_fixes.distributed`), never for files."""
     import collections
     import typing
 
@@ -187,7 +187,7 @@ def checked_checkpoint_loader(load):
     """fairseq's ``load_checkpoint_to_cpu`` (``load``), which loads a local file from the bytes whose
     checksums :func:`verified_checkpoint` checked, so that a damaged file is refused by name, with the
     fix, instead of failing in torch's zip reader or, for a corrupt byte, loading wrong weights; the file
-    is read from disk once (see :mod:`moa.fairseq_patches`)."""
+    is read from disk once (see :mod:`moa.fairseq_fixes.patches`)."""
     import fairseq.checkpoint_utils as checkpoint_utils
 
     def load_checkpoint_to_cpu(path, *args, **kwargs):
