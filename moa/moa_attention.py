@@ -10,8 +10,8 @@ For a query token x_t routed to experts G(x_t) with gate weights w (see
 
 The attention core is multi-query attention with k routed query heads per
 token; the incremental-decoding cache holds the single shared head, (batch,
-length, D). Only the selected experts' projections are computed (a dense path,
-every expert in one matmul, serves k = E; see :meth:`MixtureOfAttentionHeads.mix`).
+length, D). Only the selected experts' projections are computed, except in
+incremental decoding and for k = E (see :meth:`MixtureOfAttentionHeads.mix`).
 
 The module follows fairseq's ``MultiheadAttention`` contract through
 :class:`~moa.routed_attention.RoutedAttention`.
@@ -79,13 +79,16 @@ class MixtureOfAttentionHeads(RoutedAttention):
 
     def mix(self, x, routing: ExpertRouting, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
             need_head_weights, decoding):
-        """y_t = sum_j w_j o_j W_o^{e_j} by one of two paths with the same output, chosen by arithmetic:
-        :meth:`_mix_routed` (each expert's projections on its own rows, k of E per token) whenever k < E, in
-        training and decoding alike, and :meth:`_mix_dense` (every expert in one matmul) when k = E, where
-        there is nothing to skip and the dense path does the same multiply-adds without the gathers.
-        ``self.path`` pins one."""
+        """y_t = sum_j w_j o_j W_o^{e_j} by one of two paths with the same output, chosen by the shape of
+        the work: :meth:`_mix_routed` (each expert's projections on its own rows, k of E per token) for
+        whole sequences, in training and without autograd alike; :meth:`_mix_dense` (every expert in one
+        matmul each) when k = E, where there is nothing to skip, and in incremental decoding, where a step
+        projects one token per hypothesis, so that each expert's group holds N k / E rows (64 at beam 4 x
+        32 sentences, 4 of 8 experts): GEMMs that small run far below the speed of one (N, d_model) x
+        (d_model, E D) product, which does E / k times the multiply-adds in less time
+        (docs/speed-and-memory.md). ``self.path`` ("routed" or "dense") pins one."""
         args = (x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights)
-        dense = self.path == "dense" or (self.path is None and self.top_k == self.num_experts)
+        dense = self.path == "dense" or (self.path is None and (self.top_k == self.num_experts or decoding))
         return self._mix_dense(*args) if dense else self._mix_routed(*args)
 
     def _mix_routed(self, x, routing: ExpertRouting, keys, values, bias, tgt_len, bsz, need_weights,

@@ -2,7 +2,7 @@
 
 MoA's routed path on the grouped expert projections makes no host read in the forward, the backward
 and the criterion, nor does the reduction of its figures; MoH's packed path reads once per module (the
-packed layout's length is a shape); a decoding step (MoA routed, MoH every head) reads nothing. fairseq's own Transformer code reads a few times per
+packed layout's length is a shape); a decoding step (every expert or head) reads nothing. fairseq's own Transformer code reads a few times per
 step (its padding checks), which docs/speed-and-memory.md lists; they are not the plugin's.
 """
 
