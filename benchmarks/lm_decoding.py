@@ -19,17 +19,14 @@ Sections (each row keyed by model id; the results carry the command, commit and 
 * ``module``: the MoH paper's timing: one self-attention module of 32 heads of 64 (d_model 2048),
   forward only, 256 and 512 tokens of one sequence, fairseq's multi-head attention against MoH at 50%
   (8 shared + top-8 of 24) and 75% (8 shared + top-16 of 24) on its packed path, beside the multiply-
-  add ratio (:func:`module_macs`) and the paper's published times; and the 50% module with its expert
-  projections in one chunk (``moh-50-one-chunk``: every routed row gathered at once, as before the
-  projections were chunked).
-* ``crossover``: one MoH decoding step of a module with every head against the active heads only
-  (its ``all-heads`` and ``active-heads`` paths) by context length, at batch 1 and 8, for the small
-  and base shapes; and the attention of a decoding step's few queries as two matmuls against torch's
-  fused kernel, by key count: where the paths that :mod:`moa.path_choice` measures cross on this machine.
+  add ratio (:func:`module_macs`) and the paper's published times.
+* ``crossover``: one MoH decoding step of a module with every head against the routed heads packed
+  (its ``all-heads`` and ``packed`` paths; it decodes on the first) by context length, at batch 1 and
+  8, for the small and base shapes; and the attention of a decoding step's few queries as two matmuls
+  against torch's fused kernel (which the modules use), by key count.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -37,7 +34,6 @@ import time
 
 import torch
 import moa  # noqa: F401  (registers the archs; imported before fairseq keeps fairseq's logging quiet)
-import moa.experts
 from fairseq.modules.multihead_attention import MultiheadAttention
 from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
 from moa import routed_attention
@@ -173,15 +169,14 @@ def module_section(seqs, rounds, repeats):
         modules[name].path = "packed"  # the routed heads' work only, at every size
         for p in modules[name].router.parameters():
             torch.nn.init.normal_(p, std=d ** -0.5)
-    modules["moh-50-one-chunk"] = modules["moh-50"]  # the same module, its projections unchunked
-    active = {"mha": heads, "moh-50": 16, "moh-75": 24, "moh-50-one-chunk": 16}
+    active = {"mha": heads, "moh-50": 16, "moh-75": 24}
     rows = []
     for seq in seqs:
         x = torch.randn(seq, 1, d)
         times = {name: [] for name in modules}
         for _ in range(rounds):
             for name, module in modules.items():
-                with torch.no_grad(), one_chunk(name.endswith("one-chunk")):
+                with torch.no_grad():
                     times[name].append(median_of(lambda: module(x, x, x, need_weights=False), repeats))
         for name in modules:
             macs = module_macs(heads, active[name], head_dim, seq) / module_macs(heads, heads, head_dim, seq)
@@ -193,18 +188,6 @@ def module_section(seqs, rounds, repeats):
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
-
-
-@contextlib.contextmanager
-def one_chunk(active: bool):
-    """With ``active``, the expert projections gather all their rows at once (one chunk, as before
-    :data:`moa.experts.CHUNK_ELEMENTS`), to show what chunking them saves."""
-    saved = moa.experts.CHUNK_ELEMENTS
-    moa.experts.CHUNK_ELEMENTS = 1 << 62 if active else saved
-    try:
-        yield
-    finally:
-        moa.experts.CHUNK_ELEMENTS = saved
 
 
 def decode_step_job(module, bsz, context):
@@ -239,16 +222,16 @@ def crossover_section(contexts, rounds, repeats):
         for bsz in (1, 8):
             for context in contexts:
                 job = decode_step_job(module, bsz, context)
-                times = {"all": [], "active": []}
+                times = {"all-heads": [], "packed": []}
                 for _ in range(rounds):
-                    for path in ("all", "active"):
-                        module.path = f"{path}-heads"
+                    for path in times:
+                        module.path = path
                         times[path].append(median_of(job, repeats))
                 module.path = None
                 row = {"module": name, "batch": bsz, "context": context,
-                       "all_heads_ms": 1e3 * statistics.median(times["all"]),
-                       "active_heads_ms": 1e3 * statistics.median(times["active"]),
-                       "active_over_all": statistics.median(a / b for a, b in zip(times["active"], times["all"]))}
+                       "all_heads_ms": 1e3 * statistics.median(times["all-heads"]),
+                       "packed_ms": 1e3 * statistics.median(times["packed"]),
+                       "packed_over_all": statistics.median(a / b for a, b in zip(times["packed"], times["all-heads"]))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     for bsz, heads in ((8, 4), (8, 12)):
@@ -299,12 +282,12 @@ def markdown(report):
                          f"{r['macs_ratio']:.3f} | {r['time_over_macs_ratio']:.2f} | "
                          + (f"{r['paper_ms']:.3f} | {r['paper_ratio']:.2f} |" if r.get("paper_ms") else " | |"))
     if report.get("crossover"):
-        lines += ["", "## Crossovers", "", "| MoH module | batch | context | every head ms | active heads ms | ratio |",
+        lines += ["", "## Crossovers", "", "| MoH module | batch | context | every head ms | packed ms | ratio |",
                   "|---|---|---|---|---|---|"]
         for r in report["crossover"]:
             if "module" in r:
                 lines.append(f"| {r['module']} | {r['batch']} | {r['context']:,} | {r['all_heads_ms']:.3f} | "
-                             f"{r['active_heads_ms']:.3f} | {r['active_over_all']:.2f} |")
+                             f"{r['packed_ms']:.3f} | {r['packed_over_all']:.2f} |")
         lines += ["", "| decoding-step attention | keys | two matmuls ms | fused SDPA ms | ratio |", "|---|---|---|---|---|"]
         for r in report["crossover"]:
             if "attention" in r:

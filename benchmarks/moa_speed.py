@@ -218,8 +218,8 @@ def use_dense_path(module, dense):
 def crossover(device, repeats, token_counts=(32, 128, 512, 2048, 8192), seq=16):
     """Each routed module's two paths timed in turn (medians of ``repeats`` rounds) at growing token
     counts (sequences of ``seq`` tokens), forward alone (no gradient) and forward+backward, and one
-    incremental decoding step (one query per sentence over ``seq`` cached positions): where the paths
-    that :mod:`moa.path_choice` chooses between cross on this machine."""
+    incremental decoding step (one query per sentence over ``seq`` cached positions): where the two
+    paths cross on this machine (the modules choose by the shape of the work: see their ``mix``)."""
     rows = []
     for name, (dim, build) in CROSSOVER_MODULES.items():
         torch.manual_seed(0)
@@ -430,8 +430,8 @@ STAGES = {  # the code whose time the profile tables label, as "moa:<label>"
     "moa.routing.QueryNormHeadRouter.forward": "router (query-norm)",
     "moa.dispatch.ExpertDispatch.__init__": "dispatch plan (MoA)",
     "moa.dispatch.HeadPacking.__init__": "dispatch plan (MoH)",
-    "moa.experts._ExpertLinear.forward": "expert projection forward",
-    "moa.experts._ExpertLinear.backward": "expert projection backward",
+    "moa.experts.ExpertLinear.forward": "expert projections (MoA)",
+    "moa.experts.grouped_mm": "grouped GEMM (MoA/MoH)",
     "moa.routed_attention.RoutedAttention.attention_core": "attention core (MoA/MoH)",
     "moa.routed_attention.RoutedAttention.cached_key_value": "keys and values (MoA/MoH)",
     "moa.routed_attention.RoutedAttention.forward": "routed attention module",

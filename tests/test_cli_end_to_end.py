@@ -81,6 +81,19 @@ def test_generate_translates_every_test_sentence_and_scores(trained):
     assert short.returncode == 1 and "translated 36 sentences for 37 references; missing ids start [5]" in short.stderr
 
 
+@pytest.mark.parametrize("fixture", ["trained", "trained_moh"])
+def test_two_generate_processes_print_the_same_bytes(fixture, request):
+    """No path is chosen by timing: two fairseq-generate processes on one checkpoint print the same
+    sources, hypotheses, scores and positional scores, to the last digit."""
+    model = request.getfixturevalue(fixture)
+    runs = [run_cli("fairseq-generate", model["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset", "test",
+                    "--path", os.path.join(model["ckpt"], "checkpoint_last.pt"), "--beam", "4", "--lenpen", "0.6",
+                    "--batch-size", "8", "--required-batch-size-multiple", "1").stdout for _ in range(2)]
+    lines = [[line for line in run.splitlines() if re.match(r"[STHDP]-\d+\t", line)] for run in runs]
+    assert len(lines[0]) == 5 * TEST_SENTENCES
+    assert lines[0] == lines[1]
+
+
 def test_validate_reports_loss(trained):
     proc = run_cli("fairseq-validate", trained["data_bin"], "--user-dir", USER_DIR, "--cpu", "--task", "translation",
                    "--path", os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--valid-subset", "valid",

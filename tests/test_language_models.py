@@ -87,12 +87,9 @@ PATHS = {  # id: (arch, flags, module attribute -> value)
     "moa-routed": ("moa_lm_small", MOA, {"path": "routed"}),
     "moh-all-heads": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k-per-layer", "1,2,3"],
                       {"path": "all-heads"}),
-    "moh-active-heads-over-the-cache": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k-per-layer", "1,2,3"],
-                                        {"path": "active-heads"}),
-    "moh-query-norm-active-heads": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k", "2", "--moh-router",
-                                                     "query-norm"], {"path": "active-heads"}),
-    "moh-no-shared-head-active-heads": ("moh_lm_small", ["--moh-shared-heads", "0", "--moh-top-k", "2"],
-                                        {"path": "active-heads"}),
+    "moh-packed": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k-per-layer", "1,2,3"], {"path": "packed"}),
+    "moh-query-norm": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k", "2", "--moh-router", "query-norm"], {}),
+    "moh-no-shared-head": ("moh_lm_small", ["--moh-shared-heads", "0", "--moh-top-k", "2"], {}),
 }
 
 

@@ -74,19 +74,24 @@ def test_language_model_decoding_on_cuda_equals_the_full_forward(path_id):
 
 
 def test_the_grouped_projections_on_cuda_equal_the_loop():
+    """bfloat16, groups padded to the kernel's 16 rows, against the float32 loop reference."""
+    from test_expert_linear import loop_reference
+
     torch.manual_seed(0)
     x = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(8, 64, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    sizes = [37, 0, 101, 3, 59, 60, 21, 19]
-    src = torch.randint(0, 300, (sum(sizes),), device="cuda")
-    dst = torch.randint(0, 250, (sum(sizes),), device="cuda")
-    assert experts.grouped_gemm_is_fast(x, weight)
-    outs = [experts.expert_linear(x, weight, None, src, dst, sizes, 250, method=m) for m in ("grouped", "loop")]
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2e-2, atol=5e-2)
-    probe = torch.randn_like(outs[0])
-    grads = [torch.autograd.grad((out * probe).sum(), (x, weight)) for out in outs]
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-1)
+    counts = torch.tensor([37, 0, 101, 3, 59, 60, 21, 19], device="cuda")
+    src = torch.randint(0, 300, (int(counts.sum()),), device="cuda")
+    dst = torch.randint(0, 250, (int(counts.sum()),), device="cuda")
+    assert experts.padded_counts(counts, x, src.numel()) is not None
+    got = experts.expert_linear(x, weight, None, src, dst, counts, 250)
+    wide = [t.detach().float().requires_grad_() for t in (x, weight)]
+    want = loop_reference(*wide, None, src, dst, counts, 250)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+    probe = torch.randn_like(want)
+    grads = torch.autograd.grad((got.float() * probe).sum(), (x, weight))
+    for a, b in zip(grads, torch.autograd.grad((want * probe).sum(), wide)):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=1e-1)
 
 
 @pytest.mark.parametrize("experts_, top_k", [(8, 8), (32, 16)])
