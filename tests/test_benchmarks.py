@@ -62,7 +62,7 @@ def test_quick_benchmark_reports_every_module(tmp_path):
         small["transformer"]["kv_cache_bytes_per_token_per_layer"]
     assert report["runs"]["small"]["command"].startswith("python -m benchmarks.moa_speed --quick")
     table = (profile / "small-moa_small-train.txt").read_text()
-    assert "moa:router (MoA)" in table and "moa:expert projection backward" in table and "aten::mm" in table
+    assert "moa:router (MoA)" in table and "moa:grouped GEMM (MoA/MoH)" in table and "aten::mm" in table
     assert "moa:multi-head attention module" in (profile / "small-transformer-decode.txt").read_text()
 
 
