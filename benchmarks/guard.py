@@ -1,6 +1,6 @@
 """The speed guard: this working tree against a base commit, side by side in one run.
 
-    .venv/bin/python -m benchmarks.guard                     # against main's last commit; about 2 minutes
+    .venv/bin/python -m benchmarks.guard                     # against main's last commit; 2 to 2.5 minutes
     .venv/bin/python -m benchmarks.guard --base 3b92393
     .venv/bin/python -m benchmarks.guard --base HEAD --inject-slowdown train-moa=0.1   # must fail
 
