@@ -31,7 +31,7 @@ from torch import nn
 import moa  # noqa: F401  (registers the plugin)
 from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
 from moa import experts
-from moa.experts import grouped_mm
+from moa.experts import grouped_mm, looped_mm
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
 
@@ -102,14 +102,6 @@ def table(device, tokens, rounds, seq=512):
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
-
-
-def looped_mm(rows, w, ends):
-    """The grouped GEMM as a loop over the experts (what the tests compare with): the offsets read on the
-    host, one matmul per expert."""
-    bounds = [0] + ends.tolist()
-    pieces = [rows[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    return torch.cat(pieces + [rows.new_zeros(rows.size(0) - bounds[-1], w.size(-1))])  # rows past the groups
 
 
 def syncs(device):

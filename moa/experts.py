@@ -48,11 +48,18 @@ def grouped_mm(rows: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     grouped GEMM. Where it has no kernel: float64 (the tests' exact references) group by group, and half
     precision with rows or strides of other than whole 16-byte units (widths no real model has) in float32."""
     if rows.dtype == torch.float64:
-        bounds = [0] + ends.tolist()
-        return torch.cat([rows[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+        return looped_mm(rows, w, ends)
     if any(stride * t.element_size() % 16 for t in (rows, w) for stride in t.stride() if stride != 1):
         return F.grouped_mm(rows.float(), w.float(), offs=ends.to(torch.int32)).to(rows.dtype)
     return F.grouped_mm(rows, w, offs=ends.to(torch.int32))
+
+
+def looped_mm(rows: Tensor, w: Tensor, ends: Tensor) -> Tensor:
+    """:func:`grouped_mm` as one matmul per expert, the offsets read on the host; rows past the last group
+    (a padded layout's) come out zero."""
+    bounds = [0] + ends.tolist()
+    pieces = [rows[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return torch.cat(pieces + [rows.new_zeros(rows.size(0) - bounds[-1], w.size(-1))])
 
 
 def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor, dst: Tensor, counts: Tensor,
