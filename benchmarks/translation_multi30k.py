@@ -91,12 +91,12 @@ def models(moa_config=DEFAULT_MOA):
 
 MODELS = models()
 DEFAULT_MODELS = ["moa", "moa-self", "moh", "transformer"]
-TRAINING = ["--task", "translation", "--share-all-embeddings", "--label-smoothing", "0.1",
-            "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
-            "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt",
-            "--dropout", "0.3", "--attention-dropout", "0.1", "--weight-decay", "0.0001",
-            "--cpu", "--num-workers", "0",
-            "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "50"]
+# what every Multi30k study trains with; learning rate, warmup, dropout, batch and checkpoints are each study's own
+COMMON_TRAINING = ["--task", "translation", "--share-all-embeddings", "--label-smoothing", "0.1",
+                   "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
+                   "--lr-scheduler", "inverse_sqrt", "--attention-dropout", "0.1", "--weight-decay", "0.0001",
+                   "--cpu", "--num-workers", "0", "--log-format", "simple", "--log-interval", "50"]
+TRAINING = COMMON_TRAINING + ["--lr", "1e-3", "--dropout", "0.3", "--no-epoch-checkpoints"]
 
 
 def make_mirror(work, smoke):

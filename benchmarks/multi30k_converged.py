@@ -1,0 +1,227 @@
+"""Converged Multi30k En-De: every model trains until its validation loss stops improving, with one recipe.
+
+    .venv/bin/python -m benchmarks.multi30k_converged --sweep            # choose the recipe on the Transformer
+    .venv/bin/python -m benchmarks.multi30k_converged                    # the study: every model, seeds 1 and 2
+    .venv/bin/python -m benchmarks.multi30k_converged --models transformer moa --seeds 1
+    .venv/bin/python -m benchmarks.multi30k_converged --report           # tables and the picture from the rows
+
+Data, models and scoring are those of ``benchmarks.translation_multi30k`` (prepare-multi30k.sh offline on
+../shared/data/multi30k, 8,000 joint pieces; d_model 256, FFN 1024, 3+3 layers; beam 4, length penalty
+0.6; sacreBLEU and the paper's tokenised BLEU on test_2016_flickr). What differs is the budget: a run
+trains until the validation loss has not improved for PATIENCE epochs (fairseq's --patience), or to
+EPOCHS epochs; the last AVERAGE epoch checkpoints are averaged (moa-average-checkpoints), and the
+average and checkpoint_best both translate the test set.
+
+One recipe for every model. ``--sweep`` trains the Transformer (seed 1) with each recipe of SWEEP for
+SWEEP_EPOCHS epochs and records its validation curve only (no test set is read); the recipe with the
+lowest validation NLL is RECIPE, which every model of the study trains with, routed models adding only
+their auxiliary-loss weights. The schedules do not depend on the cap, so the chosen sweep run is the
+first SWEEP_EPOCHS epochs of the study's Transformer seed-1 run, which continues from its checkpoint.
+
+Runs survive the session: each run keeps its checkpoints in --workdir, an interrupted run resumes from
+them (fairseq's checkpoint_last, resumed exactly, patience included), and a run whose row is recorded
+is skipped. Each finished run writes its row to benchmarks/results/multi30k-converged/runs/ (sweep runs
+to sweep/), with the command, commit and versions, and ``--commit`` commits it at once. Keep the
+machine otherwise idle while a run trains: its words/s and wall time are recorded.
+"""
+
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import moa  # noqa: F401  (registers the plugin and the checkpoint allow-list)
+from benchmarks.common import RESULTS, ROOT, provenance, provenance_line, write_atomically
+from benchmarks.translation_multi30k import (COMMON_TRAINING, DEFAULT_MOA, MULTI30K, SHAPE, macs_per_target_token,
+                                             make_mirror, models, prepare, translate_and_score)
+from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
+
+PAIR = "en-de"
+EPOCHS = 20          # about an hour of the Transformer on 2 cores
+PATIENCE = 5         # epochs without a better validation loss before a run stops
+AVERAGE = 5          # last epoch checkpoints averaged
+SWEEP_EPOCHS = 10
+# recipe name -> learning rate (inverse_sqrt peak), warmup updates, tokens per batch, dropout
+SWEEP = {
+    "lr1e-3-warmup200-tokens2048": ("1e-3", 200, 2048, "0.3"),
+    "lr2e-3-warmup1000-tokens2048": ("2e-3", 1000, 2048, "0.3"),
+    "lr2e-3-warmup1000-tokens4096": ("2e-3", 1000, 4096, "0.3"),
+    "lr5e-3-warmup2000-tokens4096": ("5e-3", 2000, 4096, "0.3"),
+}
+RECIPE = None  # the sweep's choice, set once the sweep is recorded
+REQUIRED_MODELS = ["transformer", "moa", "moh"]
+OUT = os.path.join(RESULTS, "multi30k-converged")
+
+
+def recipe_flags(name):
+    lr, warmup, tokens, dropout = SWEEP[name]
+    return ["--lr", lr, "--warmup-updates", str(warmup), "--max-tokens", str(tokens), "--dropout", dropout]
+
+
+def prepared(workdir):
+    """The prepared Multi30k En-De folder in ``workdir``, made once: the runs that resume from it need
+    the very dictionaries they started with."""
+    data_dir = os.path.join(workdir, f"multi30k-{PAIR}")
+    if not os.path.exists(os.path.join(data_dir, "data-bin", f"test.{PAIR}.{PAIR.split('-')[1]}.idx")):
+        prepare(PAIR, workdir, make_mirror(workdir, False), False)
+    return data_dir
+
+
+def run_name(model_id, moa_config, seed, recipe):
+    """The folder and row name of one run; a run of the sweep and of the study with the same model, seed
+    and recipe are one run (the study continues it)."""
+    config = f"-{moa_config}" if model_id.startswith("moa") else ""
+    return f"{model_id}{config}-seed{seed}-{recipe}"
+
+
+def epoch_stats(save_dir):
+    """Per-epoch figures from every fairseq-train log of a run, later logs (a resume) overriding:
+    ({epoch: train stats}, {epoch: valid stats}, stopped early by patience?)."""
+    train, valid, early = {}, {}, False
+    for log in sorted(glob.glob(os.path.join(save_dir, "train-*.log")), key=lambda p: int(re.findall(r"\d+", p)[-1])):
+        with open(log, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                match = re.search(r"\| (train|valid) \| epoch (\d+) \|", line)
+                if match:
+                    stats = {k: float(v) for k, v in re.findall(r"\| (\w+) ([-\d.]+)(?= \||$)", line.strip())}
+                    (train if match.group(1) == "train" else valid)[int(match.group(2))] = stats
+                early |= "early stop since valid performance hasn't improved" in line
+    return train, valid, early
+
+
+def train(model_args, recipe, seed, epochs, save_dir, data_dir):
+    """fairseq-train to ``epochs`` (or patience), resuming from ``save_dir``'s checkpoints; each call
+    logs to the next train-N.log and appends its wall time to segments.json."""
+    os.makedirs(save_dir, exist_ok=True)
+    done = len(glob.glob(os.path.join(save_dir, "train-*.log")))
+    started = time.time()
+    run_logged([fairseq_command("fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
+                *model_args, *SHAPE, *COMMON_TRAINING, *recipe_flags(recipe), "--seed", str(seed),
+                "--max-epoch", str(epochs), "--patience", str(PATIENCE), "--keep-last-epochs", str(AVERAGE),
+                "--save-dir", save_dir], os.path.join(save_dir, f"train-{done + 1}.log"))
+    segments_path = os.path.join(save_dir, "segments.json")
+    segments = json.load(open(segments_path)) if os.path.exists(segments_path) else []
+    write_atomically(segments_path, json.dumps(segments + [{"to_epoch": epochs, "wall_s": time.time() - started}]))
+
+
+def finished_row(path, epochs):
+    """The recorded row at ``path`` if it covers a run to ``epochs`` (or one stopped by patience)."""
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        row = json.load(f)
+    return row if row["stopped_by"] == "patience" or row["epoch_cap"] >= epochs else None
+
+
+def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_path, score, run):
+    """Train (or resume) one run and return its row; ``score``: translate the test set too."""
+    label, model_args = models(moa_config)[model_id]
+    name = run_name(model_id, moa_config, seed, recipe)
+    save_dir = os.path.join(workdir, "converged", name)
+    _, _, early = epoch_stats(save_dir) if os.path.isdir(save_dir) else ({}, {}, False)
+    if not early:  # a run stopped by patience is finished whatever the cap: resuming it would train on
+        train(model_args, recipe, seed, epochs, save_dir, data_dir)
+    train_stats, valid, early = epoch_stats(save_dir)
+    if not valid:
+        raise ToolError(f"{save_dir}: fairseq-train logged no validation; see its train-*.log")
+    best_epoch = min(valid, key=lambda e: (valid[e]["loss"], e))  # fairseq's checkpoint_best: the lowest loss
+    with open(os.path.join(save_dir, "train-1.log"), encoding="utf-8") as f:
+        params = int(re.search(r"num\. shared model params: ([\d,]+)", f.read()).group(1).replace(",", ""))
+    segments = json.load(open(os.path.join(save_dir, "segments.json")))
+    row = {"pair": PAIR, "model_id": model_id, "moa_config": moa_config if model_id.startswith("moa") else None,
+           "model": label, "seed": seed, "recipe": recipe, "recipe_flags": recipe_flags(recipe),
+           "epoch_cap": epochs, "patience": PATIENCE, "stopped_by": "patience" if early else "epoch cap",
+           "epochs": max(valid), "updates": int(valid[max(valid)]["num_updates"]),
+           "best_epoch": best_epoch, "best_updates": int(valid[best_epoch]["num_updates"]),
+           "best_valid_loss": valid[best_epoch]["loss"], "best_valid_nll": valid[best_epoch]["nll_loss"],
+           "valid_nll_by_epoch": {e: {"updates": int(v["num_updates"]), "loss": v["loss"], "nll": v["nll_loss"]}
+                                  for e, v in sorted(valid.items())},
+           "train_wall_s": sum(s.get("train_wall", 0.0) for s in train_stats.values()),
+           "elapsed_s": sum(s["wall_s"] for s in segments), "segments": len(segments),
+           "train_words_per_s": statistics.median(s["wps"] for s in train_stats.values()),
+           "parameters": params, "run": run}
+    if score:
+        best = os.path.join(save_dir, "checkpoint_best.pt")
+        averaged = os.path.join(save_dir, f"averaged-last{AVERAGE}.pt")
+        run_logged([fairseq_command("moa-average-checkpoints"), "--inputs", save_dir,
+                    "--num-epoch-checkpoints", str(AVERAGE), "--output", averaged])
+        src, tgt = PAIR.split("-")
+        row["macs_per_target_token"] = macs_per_target_token(best, data_dir, src, tgt)
+        row["averaged"] = translate_and_score(averaged, data_dir, tgt, os.path.join(save_dir, "generate-averaged.log"))
+        row["best"] = translate_and_score(best, data_dir, tgt, os.path.join(save_dir, "generate-best.log"))
+    write_atomically(row_path, json.dumps(row, indent=1) + "\n")
+    print(json.dumps({k: row[k] for k in ("model_id", "seed", "recipe", "epochs", "best_valid_nll", "stopped_by")}),
+          flush=True)
+    return row
+
+
+def commit(path, message):
+    """Commit the one file ``path`` in the repository that holds it; a failure is reported, not raised
+    (the row stays written)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        subprocess.run(["git", "-C", folder, "add", path], check=True, capture_output=True, text=True)
+        subprocess.run(["git", "-C", folder, "commit", "-q", "-m", message, "--", path], check=True,
+                       capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as error:
+        print(f"could not commit {path}: {getattr(error, 'stderr', '') or error}", file=sys.stderr, flush=True)
+
+
+def _main(argv):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.multi30k_converged", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="train the Transformer with every recipe of the sweep")
+    parser.add_argument("--report", action="store_true", help="train nothing: write the tables and the picture")
+    parser.add_argument("--models", nargs="+", default=REQUIRED_MODELS, choices=list(models()))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--moa-config", default=DEFAULT_MOA, metavar="kKeEdD",
+                        help="MoA experts of the moa and moa-self models (default 4K8E64D)")
+    parser.add_argument("--recipe", choices=list(SWEEP), help="train with this recipe instead of the sweep's choice")
+    parser.add_argument("--commit", action="store_true", help="git-commit each run's row as it is written")
+    parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
+    parser.add_argument("--out", default=OUT, help="folder of the rows, tables and picture")
+    args = parser.parse_args(argv)
+    try:
+        models(args.moa_config)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.report:
+        from benchmarks.multi30k_report import write_report
+        write_report(args.out)
+        return
+    if not os.path.isdir(MULTI30K):
+        raise ToolError(f"{MULTI30K} is missing: this benchmark reads the shared Multi30k folder "
+                        "(set MOA_SHARED_DATA to the folder that holds multi30k/)")
+    recipe = args.recipe or RECIPE
+    if not args.sweep and recipe is None:
+        raise ToolError("no recipe is chosen yet: run --sweep first, or name one with --recipe")
+    run = provenance("multi30k_converged", argv)
+    data_dir = prepared(args.workdir)
+    if args.sweep:
+        plan = [("transformer", 1, name, SWEEP_EPOCHS, os.path.join(args.out, "sweep", f"{name}.json"), False)
+                for name in SWEEP]
+    else:
+        plan = [(model_id, seed, recipe, EPOCHS,
+                 os.path.join(args.out, "runs", run_name(model_id, args.moa_config, seed, recipe) + ".json"), True)
+                for seed in args.seeds for model_id in args.models]
+    for model_id, seed, name, epochs, row_path, score in plan:
+        if finished_row(row_path, epochs):
+            print(f"recorded already, skipped: {row_path}", flush=True)
+            continue
+        row = run_one(model_id, args.moa_config, seed, name, epochs, data_dir, args.workdir, row_path, score, run)
+        if args.commit:
+            commit(row_path, f"multi30k-converged: {os.path.basename(row_path)[:-5]} finished "
+                             f"(best valid NLL {row['best_valid_nll']:.3f} bits at epoch {row['best_epoch']})")
+
+
+def main(argv=None) -> int:
+    return run_tool("benchmarks.multi30k_converged", _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
