@@ -1,6 +1,7 @@
 """fairseq-train as fairseq runs it, with the plugin loaded: ``fairseq_cli.train.main`` called twice on
 one save folder returns both times (the second finds the run finished: no update, nothing written), and
-a fine-tuning run whose checkpoint_last.pt is damaged resumes from its newest complete checkpoint."""
+a fine-tuning run whose checkpoint_last.pt is damaged resumes from its newest complete checkpoint, and
+--patience counts on across a resume."""
 
 import os
 import re
@@ -76,3 +77,31 @@ def test_a_fine_tune_with_a_damaged_checkpoint_last_resumes_from_its_newest_comp
     assert re.search(r"Loaded checkpoint \S*checkpoint_(1_6|best)\.pt \(epoch 1 @ [67] updates\)", out)
     assert re.search(r"num_updates[ =]9\b", out)
     assert os.path.getsize(last) > len(data) // 2  # saved whole again
+
+
+def test_patience_counts_on_across_a_resume_and_a_stopped_run_stays_stopped(data_bin, tmp_path):
+    """fairseq kept --patience's count only in memory: a run resumed after a validation without
+    improvement counted from zero and trained on past the epoch where the straight run stopped."""
+    straight = tmp_path / "straight"
+    command = [data_bin, "--user-dir", USER_DIR, *[a for a in SHAPE if a != "--no-epoch-checkpoints"],
+               "--lr", "1e-2", "--max-epoch", "60", "--patience", "2"]
+    proc = run_cli("fairseq-train", *command, "--save-dir", str(straight))
+    out = proc.stdout + proc.stderr
+    assert "early stop since valid performance hasn't improved for last 2 runs" in out
+    stopped = max(int(e) for e in re.findall(r"\| valid \| epoch (\d+) \|", out))
+    assert stopped < 60
+    # resume from the epoch before the stop: one validation without improvement is counted already
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (resumed / "checkpoint_last.pt").write_bytes((straight / f"checkpoint{stopped - 1}.pt").read_bytes())
+    proc = run_cli("fairseq-train", *command, "--save-dir", str(resumed))
+    out = proc.stdout + proc.stderr
+    assert re.findall(r"\| valid \| epoch (\d+) \|", out) == [f"{stopped:03d}"]
+    assert "early stop since valid performance hasn't improved for last 2 runs" in out
+    # the stopped run, rerun: nothing trained or written
+    before = {p.name: p.stat().st_mtime_ns for p in straight.iterdir()}
+    proc = run_cli("fairseq-train", *command, "--save-dir", str(straight))
+    out = proc.stdout + proc.stderr
+    assert "training is complete: the validation loss has not improved for the checkpoint's last 2 validations, " \
+           "--patience is 2" in out
+    assert {p.name: p.stat().st_mtime_ns for p in straight.iterdir()} == before

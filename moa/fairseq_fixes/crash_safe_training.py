@@ -18,11 +18,16 @@ finished run that stays finished. What :mod:`moa.fairseq_fixes.patches` installs
   (:func:`resuming_past_damage`). The damage is found where fairseq reads the file, after fairseq's own
   checks of its flags (the checksums are verified on the bytes then loaded: the file is read once), so a
   fine-tuning run (``--finetune-from-model``) resumes as a plain one does.
-* **A finished run stays finished.** fairseq checks ``--max-update`` and ``--stop-time-hours`` only
-  after an update, so rerunning a finished command trained one update more and overwrote its
-  checkpoints; now its epoch loop stops before the first update, saying the training is complete:
-  nothing is trained or written, and ``fairseq_cli.train.main`` returns as a completed run's does
-  (:func:`stopping_finished_runs`).
+* **Patience survives a resume.** fairseq counts the validations without improvement for ``--patience``
+  in attributes of ``fairseq_cli.train.should_stop_early``, which no checkpoint kept: a resumed run
+  counted from zero and trained up to ``--patience`` epochs longer than the run it continued.
+  :func:`saving_patience` writes the count and its best loss into every checkpoint's extra state and
+  :func:`restoring_patience` sets them again when a run resumes (as fairseq restores its best loss).
+* **A finished run stays finished.** fairseq checks ``--max-update``, ``--stop-time-hours`` and
+  ``--patience`` only after an update or a validation, so rerunning a finished command trained more and
+  overwrote its checkpoints; now its epoch loop stops before the first update, saying the training is
+  complete: nothing is trained or written, and ``fairseq_cli.train.main`` returns as a completed run's
+  does (:func:`stopping_finished_runs`).
 """
 
 import logging
@@ -107,6 +112,41 @@ def resuming_past_damage(load_checkpoint):
     return wrapper
 
 
+PATIENCE_STATE = "should_stop_early"  # the key of the patience count in a checkpoint's extra state
+
+
+def saving_patience(save_checkpoint):
+    """fairseq's ``Trainer.save_checkpoint``, adding the patience count (``best``, ``num_runs``) of
+    ``fairseq_cli.train.should_stop_early`` to the extra state when a validation has set it."""
+
+    def wrapper(self, filename, extra_state, *args, **kwargs):
+        train = sys.modules.get("fairseq_cli.train")
+        counter = getattr(train, "should_stop_early", None)
+        if counter is not None and getattr(counter, "best", None) is not None:
+            extra_state = {**extra_state, PATIENCE_STATE: {"best": counter.best,
+                                                           "num_runs": getattr(counter, "num_runs", 0)}}
+        return save_checkpoint(self, filename, extra_state, *args, **kwargs)
+
+    return wrapper
+
+
+def restoring_patience(load_checkpoint):
+    """fairseq's ``checkpoint_utils.load_checkpoint``, setting the saved patience count again on
+    ``fairseq_cli.train.should_stop_early`` (unless the meters or the optimizer are reset, when fairseq
+    forgets its best loss too)."""
+
+    def wrapper(cfg, trainer, *args, **kwargs):
+        extra_state, epoch_itr = load_checkpoint(cfg, trainer, *args, **kwargs)
+        saved = (extra_state or {}).get(PATIENCE_STATE)
+        train = sys.modules.get("fairseq_cli.train")
+        if saved and train is not None and not cfg.reset_meters and not cfg.reset_optimizer:
+            train.should_stop_early.best = saved["best"]
+            train.should_stop_early.num_runs = saved["num_runs"]
+        return extra_state, epoch_itr
+
+    return wrapper
+
+
 def stopping_finished_runs(train):
     """fairseq_cli.train's ``train`` (one epoch), which first stops a run whose stopping flags its
     checkpoint already meets: no update, no validation, no save, and ``main`` returns."""
@@ -131,6 +171,11 @@ def training_finished(trainer, epoch_itr):
     max_epoch = optimization.max_epoch or float("inf")
     if epoch_itr.next_epoch_idx > max_epoch:
         return f"the checkpoint ends epoch {epoch_itr.next_epoch_idx - 1}, --max-epoch is {max_epoch}"
+    patience = trainer.cfg.checkpoint.patience
+    counter = getattr(sys.modules.get("fairseq_cli.train"), "should_stop_early", None)
+    if patience > 0 and getattr(counter, "num_runs", 0) >= patience:
+        return (f"the validation loss has not improved for the checkpoint's last {counter.num_runs} validations, "
+                f"--patience is {patience}")
     hours, trained = optimization.stop_time_hours, trainer.cumulative_training_time()
     if hours > 0 and trained >= hours * 3600:
         return f"the checkpoint has trained {trained / 3600:.2f} hours, --stop-time-hours is {hours}"

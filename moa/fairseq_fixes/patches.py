@@ -1,6 +1,6 @@
 """Every change the plugin makes to fairseq (and to torch's loader), in one place.
 
-fairseq 0.12 has no hooks for what follows, so the plugin replaces twelve of its attributes when it is
+fairseq 0.12 has no hooks for what follows, so the plugin replaces fourteen of its attributes when it is
 imported, each by a function or class that wraps fairseq's own:
 
 ========================================================  ==========================================
@@ -23,6 +23,9 @@ replaced                                                  why
                                                           so a kill never leaves half a file
 ``fairseq.trainer.Trainer.load_checkpoint``               a damaged checkpoint_last.pt resumes from
                                                           the newest complete one of its run
+``fairseq.trainer.Trainer.save_checkpoint``,              ``--patience`` counts on after a resume:
+``fairseq.checkpoint_utils.load_checkpoint``              checkpoints keep its count, a resume
+                                                          sets it again
 ``fairseq_cli.train.train``                               a finished run stays finished: no update,
                                                           nothing written, ``main`` returns
 ``fairseq.distributed.utils.call_main``                   ``--bf16`` trains on the GPU or CPU without
@@ -84,6 +87,10 @@ def _patches():
               "checkpoint copies are atomic and flushed"),
         Patch("fairseq.trainer", "Trainer.load_checkpoint", crash_safe_training.resuming_past_damage,
               "a damaged checkpoint_last.pt resumes from the newest complete one of its run"),
+        Patch("fairseq.trainer", "Trainer.save_checkpoint", crash_safe_training.saving_patience,
+              "checkpoints keep --patience's count of validations without improvement"),
+        Patch("fairseq.checkpoint_utils", "load_checkpoint", crash_safe_training.restoring_patience,
+              "a resumed run goes on counting --patience where it stopped"),
         Patch("fairseq_cli.train", "train", crash_safe_training.stopping_finished_runs,
               "a finished run stays finished: no update, nothing written"),
         Patch("fairseq.distributed.utils", "call_main", precision.call_main_without_xla,
