@@ -1,0 +1,144 @@
+"""The tables, verdicts and picture of the converged Multi30k study, from the rows its runs recorded.
+
+    .venv/bin/python -m benchmarks.multi30k_converged --report
+
+Reads ``sweep/*.json`` and ``runs/*.json`` of the study's folder and writes ``converged.md`` (the sweep,
+every run, each model's difference to the Transformer of the same seed, the verdicts) and
+``valid-nll.png`` (validation NLL in bits against updates, every model and seed).
+"""
+
+import glob
+import json
+import os
+import statistics
+
+from benchmarks.common import provenance, provenance_line, write_atomically
+
+# (question, model id, MoA configuration or None): each compared with the Transformer of the same seed
+QUESTIONS = [("MoA 4K8E64D against the Transformer", "moa", "4K8E64D"),
+             ("MoH 75% against the Transformer", "moh", None),
+             ("MoA 4K4E128D (the paper base's proportions) against the Transformer", "moa", "4K4E128D"),
+             ("MoA in self-attention only against the Transformer", "moa-self", "4K8E64D")]
+
+
+def rows_in(folder):
+    rows = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            rows.append(json.load(f))
+    return rows
+
+
+def sweep_table(sweep):
+    lines = ["| recipe | peak lr | warmup updates | tokens per batch | dropout | epochs | updates | best valid NLL (bits) "
+             "| at epoch | training min |", "|---|---|---|---|---|---|---|---|---|---|"]
+    best = min(sweep, key=lambda r: r["best_valid_nll"]) if sweep else None
+    for r in sorted(sweep, key=lambda r: r["best_valid_nll"]):
+        flags = dict(zip(r["recipe_flags"][::2], r["recipe_flags"][1::2]))
+        mark = " (lowest)" if r is best else ""
+        lines.append(f"| {r['recipe']}{mark} | {flags['--lr']} | {flags['--warmup-updates']} | {flags['--max-tokens']} | "
+                     f"{flags['--dropout']} | {r['epochs']} | {r['updates']} | {r['best_valid_nll']:.3f} | "
+                     f"{r['best_epoch']} | {r['train_wall_s'] / 60:.0f} |")
+    return lines
+
+
+def runs_table(runs):
+    lines = ["| model | seed | parameters | MACs/token | epochs (stopped by) | best epoch (updates) | best valid NLL | "
+             "words/s | training min | sacreBLEU, average | tok. BLEU, average | sacreBLEU, best | tok. BLEU, best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['model']} | {r['seed']} | {r['parameters']:,} | {r['macs_per_target_token'] / 1e6:.2f}M | "
+                     f"{r['epochs']} ({r['stopped_by']}) | {r['best_epoch']} ({r['best_updates']}) | "
+                     f"{r['best_valid_nll']:.3f} | {r['train_words_per_s']:.0f} | {r['train_wall_s'] / 60:.0f} | "
+                     f"{r['averaged']['sacrebleu']:.2f} | {r['averaged']['tokenized_bleu']:.2f} | "
+                     f"{r['best']['sacrebleu']:.2f} | {r['best']['tokenized_bleu']:.2f} |")
+    return lines
+
+
+def differences(runs, model_id, moa_config):
+    """[(seed, valid NLL difference, averaged sacreBLEU difference, best-checkpoint sacreBLEU difference)]
+    of one model to the Transformer of the same seed and recipe."""
+    transformers = {(r["seed"], r["recipe"]): r for r in runs if r["model_id"] == "transformer"}
+    out = []
+    for r in runs:
+        if r["model_id"] != model_id or r["moa_config"] != moa_config or (r["seed"], r["recipe"]) not in transformers:
+            continue
+        t = transformers[(r["seed"], r["recipe"])]
+        out.append((r["seed"], r["best_valid_nll"] - t["best_valid_nll"],
+                    r["averaged"]["sacrebleu"] - t["averaged"]["sacrebleu"], r["best"]["sacrebleu"] - t["best"]["sacrebleu"]))
+    return sorted(out)
+
+
+def verdict(diffs):
+    """One sentence from the per-seed differences: which way, and whether the sign holds in every seed."""
+    if not diffs:
+        return "not measured yet"
+    bleu = [d[2] for d in diffs]
+    nll = [d[1] for d in diffs]
+    if len(diffs) < 2:
+        return (f"one seed only ({bleu[0]:+.2f} sacreBLEU, {nll[0]:+.3f} bits valid NLL): no verdict before a "
+                "second seed")
+    same_bleu = all(b > 0 for b in bleu) or all(b < 0 for b in bleu)
+    same_nll = all(n > 0 for n in nll) or all(n < 0 for n in nll)
+    word = "better" if statistics.mean(bleu) > 0 else "worse"
+    return (f"{word} by {statistics.mean(bleu):+.2f} sacreBLEU on average over {len(diffs)} seeds "
+            f"({', '.join(f'{b:+.2f}' for b in bleu)}; sign {'holds in every seed' if same_bleu else 'differs between seeds'}), "
+            f"validation NLL {statistics.mean(nll):+.3f} bits ({'same sign in every seed' if same_nll else 'sign differs between seeds'})")
+
+
+def picture(runs, path):
+    import logging
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    colours = {}
+    for r in runs:
+        key = r["model"]
+        colour = colours.setdefault(key, f"C{len(colours)}")
+        curve = sorted((v["updates"], v["nll"]) for v in r["valid_nll_by_epoch"].values())
+        axes.plot(*zip(*curve), color=colour, linestyle="-" if r["seed"] == 1 else "--", marker=".",
+                  label=f"{key}, seed {r['seed']}")
+    axes.set_xlabel("updates")
+    axes.set_ylabel("validation NLL (bits per token)")
+    axes.set_title("Multi30k En-De, validation NLL at each epoch's end")
+    low = min((v["nll"] for r in runs for v in r["valid_nll_by_epoch"].values()), default=2.0)
+    axes.set_ylim(low - 0.1, low + 1.5)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    tmp = path + ".tmp.png"
+    figure.savefig(tmp, dpi=110)
+    plt.close(figure)
+    os.replace(tmp, path)
+
+
+def write_report(out):
+    sweep, runs = rows_in(os.path.join(out, "sweep")), rows_in(os.path.join(out, "runs"))
+    runs.sort(key=lambda r: (r["seed"], r["model_id"] != "transformer", r["model_id"], r["moa_config"] or ""))
+    lines = ["# Converged Multi30k En-De", "", "## The recipe sweep (Transformer, seed 1, validation only)", "",
+             *sweep_table(sweep), "", "## Every run", "",
+             "Test: test_2016_flickr, beam 4, length penalty 0.6; *average*: the last epoch checkpoints averaged; "
+             "*best*: checkpoint_best (lowest validation loss). MACs: forward, per target token. Valid NLL in bits.",
+             "", *runs_table(runs), "", "## Differences to the Transformer of the same seed", "",
+             "| model | seed | valid NLL | sacreBLEU, average | sacreBLEU, best |", "|---|---|---|---|---|"]
+    for _, model_id, config in QUESTIONS:
+        for seed, nll, avg, best in differences(runs, model_id, config):
+            label = next(r["model"] for r in runs if r["model_id"] == model_id and r["moa_config"] == config)
+            lines.append(f"| {label} | {seed} | {nll:+.3f} | {avg:+.2f} | {best:+.2f} |")
+    lines += ["", "## Verdicts", ""]
+    lines += [f"- **{question}**: {verdict(differences(runs, model_id, config))}."
+              for question, model_id, config in QUESTIONS]
+    if runs:
+        lines += ["", f"sacreBLEU signature: {runs[0]['averaged']['signature']}"]
+        picture(runs, os.path.join(out, "valid-nll.png"))
+    made = sorted({(r["run"]["command"], r["run"]["commit"], r["run"]["torch"], r["run"]["machine"]) for r in sweep + runs})
+    lines += ["", "The rows were trained by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
+    lines += ["", provenance_line(provenance("multi30k_converged", ["--report"]))]
+    text = "\n".join(lines) + "\n"
+    write_atomically(os.path.join(out, "converged.md"), text)
+    print(text)
