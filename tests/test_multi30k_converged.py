@@ -1,0 +1,63 @@
+"""The converged Multi30k study's bookkeeping: what it reads from fairseq-train's logs across resumes,
+which recorded runs it skips, and how its verdicts read per-seed differences."""
+
+import json
+
+from benchmarks import multi30k_converged as study
+from benchmarks.multi30k_report import differences, verdict
+
+LINE = ("2026-12-04 05:00:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "
+        "wpb 1842 | bsz 117 | num_updates {updates}{tail}\n")
+
+
+def log(kind, epoch, loss, nll=None, wps=2700.0, tail=""):
+    return LINE.format(kind=kind, epoch=epoch, loss=loss, nll=nll or loss - 0.5, wps=wps, updates=255 * epoch,
+                       tail=tail)
+
+
+def test_epoch_figures_come_from_every_log_of_a_run_a_resume_overriding(tmp_path):
+    (tmp_path / "train-1.log").write_text(
+        log("train", 1, 7.0, tail=" | train_wall 170") + log("valid", 1, 6.0, nll=5.5) +
+        log("train", 2, 6.0, wps=1000.0, tail=" | train_wall 400") + log("valid", 2, 5.0, nll=4.4) +
+        "2026-12-04 05:10:00 | INFO | train_inner | epoch 003:     50 / 255 loss=5.1, nll_loss=4.4, wps=2600\n")
+    # killed in epoch 3, resumed from the end of epoch 2: the second log has epochs 3 and 4
+    (tmp_path / "train-2.log").write_text(
+        log("train", 3, 5.5, tail=" | train_wall 170") + log("valid", 3, 4.9, nll=4.3) +
+        log("train", 4, 5.4, tail=" | train_wall 171") + log("valid", 4, 4.95, nll=4.35) +
+        "2026-12-04 05:20:00 | INFO | fairseq_cli.train | early stop since valid performance hasn't improved for "
+        "last 1 runs\n")
+    train, valid, early = study.epoch_stats(str(tmp_path))
+    assert sorted(valid) == [1, 2, 3, 4] and early
+    assert valid[3]["nll_loss"] == 4.3 and valid[4]["num_updates"] == 1020
+    assert [train[e]["train_wall"] for e in (1, 2, 3, 4)] == [170, 400, 170, 171]
+
+
+def test_a_recorded_run_is_skipped_unless_a_longer_cap_asks_for_more(tmp_path):
+    path = tmp_path / "row.json"
+    assert study.finished_row(str(path), 20) is None
+    path.write_text(json.dumps({"stopped_by": "epoch cap", "epoch_cap": 10}))
+    assert study.finished_row(str(path), 10) and study.finished_row(str(path), 20) is None
+    path.write_text(json.dumps({"stopped_by": "patience", "epoch_cap": 10}))
+    assert study.finished_row(str(path), 20)  # patience ended it: a longer cap trains nothing more
+
+
+def test_a_sweep_run_and_the_study_run_it_becomes_share_one_folder():
+    assert study.run_name("transformer", "4K8E64D", 1, "r") == "transformer-seed1-r"
+    assert study.run_name("moa", "4K4E128D", 2, "r") == "moa-4K4E128D-seed2-r"
+
+
+def row(model_id, seed, nll, avg, best, config=None):
+    return {"model_id": model_id, "moa_config": config, "seed": seed, "recipe": "r", "best_valid_nll": nll,
+            "averaged": {"sacrebleu": avg}, "best": {"sacrebleu": best}, "model": model_id}
+
+
+def test_verdicts_pair_each_seed_with_its_own_transformer_and_say_whether_the_sign_holds():
+    runs = [row("transformer", 1, 2.0, 36.0, 35.5), row("transformer", 2, 2.1, 35.0, 35.0),
+            row("moa", 1, 2.1, 35.0, 35.0, "4K8E64D"), row("moa", 2, 2.05, 35.5, 34.0, "4K8E64D"),
+            row("moh", 1, 1.9, 37.0, 36.0)]
+    moa = differences(runs, "moa", "4K8E64D")
+    assert [(s, round(n, 3), a, b) for s, n, a, b in moa] == [(1, 0.1, -1.0, -0.5), (2, -0.05, 0.5, -1.0)]
+    assert verdict(moa).startswith("worse by -0.25 sacreBLEU on average over 2 seeds (-1.00, +0.50; sign differs "
+                                   "between seeds)")
+    assert verdict(differences(runs, "moh", None)).startswith("one seed only (+1.00 sacreBLEU")
+    assert verdict(differences(runs, "moa", "4K4E128D")) == "not measured yet"
