@@ -8,7 +8,7 @@ setup(
     packages=find_packages(include=["moa", "moa.*", "moa_tools", "moa_tools.*"]),
     python_requires=">=3.9",
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.11,<2.14",  # tested: 2.11 (the lent GPU machines') and 2.13 (CI); setup.sh keeps one in range
         "fairseq-fixed==0.12.3.1; python_version >= '3.11'",
         "fairseq==0.12.2; python_version < '3.11'",
         "sacrebleu>=2.0",

@@ -197,14 +197,14 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="1,024 tokens, two rounds: a smoke run")
-    parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/gpu/cuda.json on a "
+    parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/gpu/gpu-check.json on a "
                                       "GPU, a temporary folder on the CPU")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here; --device cpu runs the same code on the CPU")
     device = torch.device(args.device)
     tokens, rounds = (1024, 2) if args.quick else (args.tokens, args.rounds)
-    out = args.out or (os.path.join(RESULTS, "gpu", "cuda.json") if device.type == "cuda" else
+    out = args.out or (os.path.join(RESULTS, "gpu", "gpu-check.json") if device.type == "cuda" else
                        os.path.join(tempfile.mkdtemp(prefix="moa-gpu-check-"), "cpu.json"))
     report = {"run": provenance("gpu_check", argv), "device": torch.cuda.get_device_name(0) if device.type == "cuda"
               else "CPU (host reads counted in place of synchronisations)"}

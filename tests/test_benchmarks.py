@@ -189,9 +189,10 @@ def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tm
 @pytest.mark.slow
 def test_the_gpu_check_runs_its_cpu_part(tmp_path):
     """Without CUDA, benchmarks/gpu_check.sh skips tests/gpu and runs its measurements on the CPU: no host
-    read in the MoA modules' steps on the grouped projections, one per MoH module, and the table."""
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--quick"], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, PYTHON=sys.executable))
+    read in the MoA modules' steps on the grouped projections, one per MoH module, and the table; all of
+    it in one folder of four files."""
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--quick", "--out", str(tmp_path / "check")],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "No CUDA device" in proc.stderr and "skipped" in out
@@ -201,6 +202,9 @@ def test_the_gpu_check_runs_its_cpu_part(tmp_path):
         assert re.search(rf"^\| {config} \| 1,024 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+x \|$", out, re.M)
     report = json.loads(open(re.search(r"written: (\S+)", out).group(1)).read())
     assert report["device"].startswith("CPU") and len(report["table"]) == 2
+    assert sorted(os.listdir(tmp_path / "check")) == ["check.log", "environment.txt", "gpu-check.json", "gpu-check.md"]
+    assert "| MoA 16K32E256D module, grouped projections | 0 | - |" in (tmp_path / "check" / "check.log").read_text()
+    assert f"torch {torch.__version__}" in (tmp_path / "check" / "environment.txt").read_text()
     bad = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--fast"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "usage" in bad.stderr
 
