@@ -240,3 +240,30 @@ def test_the_guard_fails_on_an_injected_slowdown():
     assert run.returncode == 1, run.stdout + run.stderr
     row = re.search(r"^lm-moa +(\d+\.\d+) +(\d+\.\d+)  SLOWER", run.stdout, re.M)
     assert row and float(row.group(1)) > 2
+
+
+def test_the_gpu_check_names_the_kit_when_its_python_has_no_fairseq(tmp_path):
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--quick", "--kit", str(tmp_path), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHON="/usr/bin/python3"))
+    assert proc.returncode == 1
+    assert f"/usr/bin/python3 cannot import fairseq and {tmp_path} holds no wheels: run bash benchmarks/device_kit.sh" \
+        in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_device_kit_holds_the_lent_machines_missing_wheels_within_40_mib(tmp_path):
+    """Downloads from the package index (about 22 MB): the wheels for Python 3.12 that the lent GPU
+    machine lacks, antlr4 built here from its source archive, and the install line."""
+    kit = tmp_path / "kit"
+    proc = subprocess.run(["bash", "benchmarks/device_kit.sh", "--out", str(kit)], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wheels = sorted(os.listdir(kit))
+    names = [re.match(r"[A-Za-z0-9_]+?-", w).group(0)[:-1].lower() for w in wheels if w.endswith(".whl")]
+    assert names == ["antlr4_python3_runtime", "bitarray", "fairseq_fixed", "hydra_core", "omegaconf", "sacremoses"]
+    assert all(w.endswith(("-py3-none-any.whl", "-cp312-cp312-manylinux_2_28_x86_64.whl")) or "cp312-cp312-manylinux" in w
+               for w in wheels if w.endswith(".whl"))
+    assert sum(os.path.getsize(kit / w) for w in wheels) <= 40 * 2 ** 20
+    assert "--no-index --no-deps --target" in (kit / "INSTALL").read_text()
