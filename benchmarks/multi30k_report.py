@@ -3,8 +3,9 @@
     .venv/bin/python -m benchmarks.multi30k_converged --report
 
 Reads ``sweep/*.json`` and ``runs/*.json`` of the study's folder and writes ``converged.md`` (the sweep,
-every run, each model's difference to the Transformer of the same seed, the verdicts) and
-``valid-nll.png`` (validation NLL in bits against updates, every model and seed).
+every run, each model's difference to the Transformer of the same seed, the verdicts),
+``valid-nll.png`` (validation NLL in bits against updates, every model and seed) and
+``sweep-valid-nll.png`` (the same for the sweep's recipes).
 """
 
 import glob
@@ -86,7 +87,8 @@ def verdict(diffs):
             f"validation NLL {statistics.mean(nll):+.3f} bits ({'same sign in every seed' if same_nll else 'sign differs between seeds'})")
 
 
-def picture(runs, path):
+def picture(runs, path, title, label):
+    """Validation NLL against updates, one line per row (colour by ``label(row)``, dashed for seed 2)."""
     import logging
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
@@ -98,14 +100,14 @@ def picture(runs, path):
     figure, axes = plt.subplots(figsize=(8, 5))
     colours = {}
     for r in runs:
-        key = r["model"]
+        key = label(r)
         colour = colours.setdefault(key, f"C{len(colours)}")
         curve = sorted((v["updates"], v["nll"]) for v in r["valid_nll_by_epoch"].values())
         axes.plot(*zip(*curve), color=colour, linestyle="-" if r["seed"] == 1 else "--", marker=".",
                   label=f"{key}, seed {r['seed']}")
     axes.set_xlabel("updates")
     axes.set_ylabel("validation NLL (bits per token)")
-    axes.set_title("Multi30k En-De, validation NLL at each epoch's end")
+    axes.set_title(title)
     low = min((v["nll"] for r in runs for v in r["valid_nll_by_epoch"].values()), default=2.0)
     axes.set_ylim(low - 0.1, low + 1.5)
     axes.grid(alpha=0.3)
@@ -135,7 +137,11 @@ def write_report(out):
               for question, model_id, config in QUESTIONS]
     if runs:
         lines += ["", f"sacreBLEU signature: {runs[0]['averaged']['signature']}"]
-        picture(runs, os.path.join(out, "valid-nll.png"))
+        picture(runs, os.path.join(out, "valid-nll.png"), "Multi30k En-De, validation NLL at each epoch's end",
+                lambda r: r["model"])
+    if sweep:
+        picture(sweep, os.path.join(out, "sweep-valid-nll.png"), "The recipe sweep: the Transformer, seed 1",
+                lambda r: r["recipe"])
     made = sorted({(r["run"]["command"], r["run"]["commit"], r["run"]["torch"], r["run"]["machine"]) for r in sweep + runs})
     lines += ["", "The rows were trained by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
     lines += ["", provenance_line(provenance("multi30k_converged", ["--report"]))]
