@@ -4,6 +4,8 @@
     .venv/bin/python -m benchmarks.multi30k_converged                    # the study: every model, seeds 1 and 2
     .venv/bin/python -m benchmarks.multi30k_converged --models transformer moa --seeds 1
     .venv/bin/python -m benchmarks.multi30k_converged --report           # tables and the picture from the rows
+    .venv/bin/python -m benchmarks.multi30k_converged --models transformer moa --seeds 1 --reproduce \
+        --workdir /tmp/fresh [--epochs 3]     # train recorded runs afresh and compare every epoch's valid NLL
 
 Data, models and scoring are those of ``benchmarks.translation_multi30k`` (prepare-multi30k.sh offline on
 ../shared/data/multi30k, 8,000 joint pieces; d_model 256, FFN 1024, 3+3 layers; beam 4, length penalty
@@ -46,6 +48,7 @@ EPOCHS = 20          # about an hour of the Transformer on 2 cores
 PATIENCE = 5         # epochs without a better validation loss before a run stops
 AVERAGE = 5          # last epoch checkpoints averaged
 SWEEP_EPOCHS = 10
+TOLERANCE = 0.01     # bits of validation NLL within which --reproduce must meet a recorded run
 # recipe name -> learning rate (inverse_sqrt peak), warmup updates, tokens per batch, dropout
 SWEEP = {
     "lr1e-3-warmup200-tokens2048": ("1e-3", 200, 2048, "0.3"),
@@ -160,6 +163,34 @@ def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_p
     return row
 
 
+def reproduce(plan, args, data_dir, run):
+    """Train each recorded run of ``plan`` afresh in ``args.workdir`` (to ``args.epochs`` or the recorded
+    epochs) and compare its validation NLL at every epoch with the row's; ToolError beyond TOLERANCE."""
+    import tempfile
+
+    worst = 0.0
+    for model_id, seed, name, _, row_path, _ in plan:
+        if not os.path.exists(row_path):
+            raise ToolError(f"--reproduce: {row_path} is not recorded; there is nothing to compare with")
+        with open(row_path, encoding="utf-8") as f:
+            recorded = json.load(f)
+        save_dir = os.path.join(args.workdir, "converged", run_name(model_id, args.moa_config, seed, name))
+        if os.path.exists(save_dir):
+            raise ToolError(f"--reproduce trains afresh, but {save_dir} exists: name an empty --workdir")
+        epochs = min(args.epochs or recorded["epochs"], recorded["epochs"])
+        fresh = run_one(model_id, args.moa_config, seed, name, epochs, data_dir, args.workdir,
+                        os.path.join(tempfile.mkdtemp(prefix="moa-reproduce-"), "row.json"), False, run)
+        for epoch, figures in fresh["valid_nll_by_epoch"].items():
+            before = recorded["valid_nll_by_epoch"][str(epoch)]["nll"]
+            worst = max(worst, abs(figures["nll"] - before))
+            print(f"{os.path.basename(row_path)[:-5]} epoch {epoch}: valid NLL {figures['nll']:.3f} bits, "
+                  f"recorded {before:.3f} ({figures['nll'] - before:+.3f})", flush=True)
+    print(f"largest difference: {worst:.3f} bits (tolerance {TOLERANCE})")
+    if worst > TOLERANCE:
+        raise ToolError(f"--reproduce: a validation NLL differs from its recorded value by {worst:.3f} bits, "
+                        f"more than {TOLERANCE}")
+
+
 def commit(path, message):
     """Commit the one file ``path`` in the repository that holds it; a failure is reported, not raised
     (the row stays written)."""
@@ -183,6 +214,10 @@ def _main(argv):
                         help="MoA experts of the moa and moa-self models (default 4K8E64D)")
     parser.add_argument("--recipe", choices=list(SWEEP), help="train with this recipe instead of the sweep's choice")
     parser.add_argument("--commit", action="store_true", help="git-commit each run's row as it is written")
+    parser.add_argument("--reproduce", action="store_true",
+                        help="train the recorded runs afresh in --workdir (an empty folder) and compare their "
+                             f"validation NLL at every epoch; exit 1 beyond {TOLERANCE} bits")
+    parser.add_argument("--epochs", type=int, help="with --reproduce: compare the first N epochs only")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
     parser.add_argument("--out", default=OUT, help="folder of the rows, tables and picture")
     args = parser.parse_args(argv)
@@ -209,6 +244,9 @@ def _main(argv):
         plan = [(model_id, seed, recipe, EPOCHS,
                  os.path.join(args.out, "runs", run_name(model_id, args.moa_config, seed, recipe) + ".json"), True)
                 for seed in args.seeds for model_id in args.models]
+    if args.reproduce:
+        reproduce(plan, args, data_dir, run)
+        return
     for model_id, seed, name, epochs, row_path, score in plan:
         if finished_row(row_path, epochs):
             print(f"recorded already, skipped: {row_path}", flush=True)
