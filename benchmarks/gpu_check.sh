@@ -39,6 +39,7 @@ if ! "$python" -c "import fairseq" >/dev/null 2>&1; then
         exit 1
     fi
     kit=$(mktemp -d "${TMPDIR:-/tmp}/moa-kit.XXXXXX")
+    trap 'rm -rf "$kit"' EXIT
     "$python" -m pip install --disable-pip-version-check -q --no-index --no-deps --target "$kit" "$kit_wheels"/*.whl
     export PYTHONPATH="$kit:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="$kit/bin:$PATH"
     echo "installed $kit_wheels into $kit (PYTHONPATH, PATH)"
