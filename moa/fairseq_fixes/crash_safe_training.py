@@ -115,14 +115,19 @@ def resuming_past_damage(load_checkpoint):
 PATIENCE_STATE = "should_stop_early"  # the key of the patience count in a checkpoint's extra state
 
 
+def patience_counter():
+    """``fairseq_cli.train.should_stop_early``, whose attributes ``best`` and ``num_runs`` are fairseq's
+    patience count; None where fairseq-train's module is not loaded (generate, a library caller)."""
+    return getattr(sys.modules.get("fairseq_cli.train"), "should_stop_early", None)
+
+
 def saving_patience(save_checkpoint):
     """fairseq's ``Trainer.save_checkpoint``, adding the patience count (``best``, ``num_runs``) of
     ``fairseq_cli.train.should_stop_early`` to the extra state when a validation has set it."""
 
     def wrapper(self, filename, extra_state, *args, **kwargs):
-        train = sys.modules.get("fairseq_cli.train")
-        counter = getattr(train, "should_stop_early", None)
-        if counter is not None and getattr(counter, "best", None) is not None:
+        counter = patience_counter()
+        if getattr(counter, "best", None) is not None:
             extra_state = {**extra_state, PATIENCE_STATE: {"best": counter.best,
                                                            "num_runs": getattr(counter, "num_runs", 0)}}
         return save_checkpoint(self, filename, extra_state, *args, **kwargs)
@@ -137,11 +142,9 @@ def restoring_patience(load_checkpoint):
 
     def wrapper(cfg, trainer, *args, **kwargs):
         extra_state, epoch_itr = load_checkpoint(cfg, trainer, *args, **kwargs)
-        saved = (extra_state or {}).get(PATIENCE_STATE)
-        train = sys.modules.get("fairseq_cli.train")
-        if saved and train is not None and not cfg.reset_meters and not cfg.reset_optimizer:
-            train.should_stop_early.best = saved["best"]
-            train.should_stop_early.num_runs = saved["num_runs"]
+        saved, counter = (extra_state or {}).get(PATIENCE_STATE), patience_counter()
+        if saved and counter is not None and not cfg.reset_meters and not cfg.reset_optimizer:
+            counter.best, counter.num_runs = saved["best"], saved["num_runs"]
         return extra_state, epoch_itr
 
     return wrapper
@@ -172,7 +175,7 @@ def training_finished(trainer, epoch_itr):
     if epoch_itr.next_epoch_idx > max_epoch:
         return f"the checkpoint ends epoch {epoch_itr.next_epoch_idx - 1}, --max-epoch is {max_epoch}"
     patience = trainer.cfg.checkpoint.patience
-    counter = getattr(sys.modules.get("fairseq_cli.train"), "should_stop_early", None)
+    counter = patience_counter()
     if patience > 0 and getattr(counter, "num_runs", 0) >= patience:
         return (f"the validation loss has not improved for the checkpoint's last {counter.num_runs} validations, "
                 f"--patience is {patience}")
