@@ -14,6 +14,7 @@ import os
 import statistics
 
 from benchmarks.common import provenance, provenance_line, write_atomically
+from benchmarks.multi30k_converged import SWEEP
 
 # (question, model id, MoA configuration or None): each compared with the Transformer of the same seed
 QUESTIONS = [("MoA 4K8E64D against the Transformer", "moa", "4K8E64D"),
@@ -36,7 +37,7 @@ def sweep_table(sweep):
     best = min(sweep, key=lambda r: r["best_valid_nll"]) if sweep else None
     for r in sorted(sweep, key=lambda r: r["best_valid_nll"]):
         flags = dict(zip(r["recipe_flags"][::2], r["recipe_flags"][1::2]))
-        mark = " (lowest)" if r is best else ""
+        mark = (" (lowest)" if len(sweep) == len(SWEEP) else " (lowest so far)") if r is best else ""
         lines.append(f"| {r['recipe']}{mark} | {flags['--lr']} | {flags['--warmup-updates']} | {flags['--max-tokens']} | "
                      f"{flags['--dropout']} | {r['epochs']} | {r['updates']} | {r['best_valid_nll']:.3f} | "
                      f"{r['best_epoch']} | {r['train_wall_s'] / 60:.0f} |")
