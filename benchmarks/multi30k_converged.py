@@ -108,8 +108,14 @@ def train(model_args, recipe, seed, epochs, save_dir, data_dir):
                 "--max-epoch", str(epochs), "--patience", str(PATIENCE), "--keep-last-epochs", str(AVERAGE),
                 "--save-dir", save_dir], os.path.join(save_dir, f"train-{done + 1}.log"))
     segments_path = os.path.join(save_dir, "segments.json")
-    segments = json.load(open(segments_path)) if os.path.exists(segments_path) else []
+    segments = read_segments(save_dir) if os.path.exists(segments_path) else []
     write_atomically(segments_path, json.dumps(segments + [{"to_epoch": epochs, "wall_s": time.time() - started}]))
+
+
+def read_segments(save_dir):
+    """[{to_epoch, wall_s}] of every finished fairseq-train call of a run."""
+    with open(os.path.join(save_dir, "segments.json"), encoding="utf-8") as f:
+        return json.load(f)
 
 
 def finished_row(path, epochs):
@@ -135,7 +141,7 @@ def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_p
     best_epoch = min(valid, key=lambda e: (valid[e]["loss"], e))  # fairseq's checkpoint_best: the lowest loss
     with open(os.path.join(save_dir, "train-1.log"), encoding="utf-8") as f:
         params = int(re.search(r"num\. shared model params: ([\d,]+)", f.read()).group(1).replace(",", ""))
-    segments = json.load(open(os.path.join(save_dir, "segments.json")))
+    segments = read_segments(save_dir)
     row = {"pair": PAIR, "model_id": model_id, "moa_config": moa_config if model_id.startswith("moa") else None,
            "model": label, "seed": seed, "recipe": recipe, "recipe_flags": recipe_flags(recipe),
            "epoch_cap": epochs, "patience": PATIENCE, "stopped_by": "patience" if early else "epoch cap",
