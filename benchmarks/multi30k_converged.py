@@ -28,6 +28,7 @@ machine otherwise idle while a run trains: its words/s and wall time are recorde
 """
 
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -35,7 +36,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 
 import moa  # noqa: F401  (registers the plugin and the checkpoint allow-list)
 from benchmarks.common import RESULTS, ROOT, provenance, provenance_line, write_atomically
@@ -82,11 +82,16 @@ def run_name(model_id, moa_config, seed, recipe):
     return f"{model_id}{config}-seed{seed}-{recipe}"
 
 
+def train_logs(save_dir):
+    """The fairseq-train logs of a run, one per call (train-1.log, train-2.log, ...), in order."""
+    return sorted(glob.glob(os.path.join(save_dir, "train-*.log")), key=lambda p: int(re.findall(r"\d+", p)[-1]))
+
+
 def epoch_stats(save_dir):
     """Per-epoch figures from every fairseq-train log of a run, later logs (a resume) overriding:
     ({epoch: train stats}, {epoch: valid stats}, stopped early by patience?)."""
     train, valid, early = {}, {}, False
-    for log in sorted(glob.glob(os.path.join(save_dir, "train-*.log")), key=lambda p: int(re.findall(r"\d+", p)[-1])):
+    for log in train_logs(save_dir):
         with open(log, encoding="utf-8", errors="replace") as f:
             for line in f:
                 match = re.search(r"\| (train|valid) \| epoch (\d+) \|", line)
@@ -99,23 +104,25 @@ def epoch_stats(save_dir):
 
 def train(model_args, recipe, seed, epochs, save_dir, data_dir):
     """fairseq-train to ``epochs`` (or patience), resuming from ``save_dir``'s checkpoints; each call
-    logs to the next train-N.log and appends its wall time to segments.json."""
+    logs to the next train-N.log."""
     os.makedirs(save_dir, exist_ok=True)
-    done = len(glob.glob(os.path.join(save_dir, "train-*.log")))
-    started = time.time()
     run_logged([fairseq_command("fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
                 *model_args, *SHAPE, *COMMON_TRAINING, *recipe_flags(recipe), "--seed", str(seed),
                 "--max-epoch", str(epochs), "--patience", str(PATIENCE), "--keep-last-epochs", str(AVERAGE),
-                "--save-dir", save_dir], os.path.join(save_dir, f"train-{done + 1}.log"))
-    segments_path = os.path.join(save_dir, "segments.json")
-    segments = read_segments(save_dir) if os.path.exists(segments_path) else []
-    write_atomically(segments_path, json.dumps(segments + [{"to_epoch": epochs, "wall_s": time.time() - started}]))
+                "--save-dir", save_dir], os.path.join(save_dir, f"train-{len(train_logs(save_dir)) + 1}.log"))
 
 
-def read_segments(save_dir):
-    """[{to_epoch, wall_s}] of every finished fairseq-train call of a run."""
-    with open(os.path.join(save_dir, "segments.json"), encoding="utf-8") as f:
-        return json.load(f)
+def elapsed_seconds(save_dir):
+    """Wall time of a run: from the first to the last timestamped line of each of its logs, summed, so
+    that a call killed part-way (the session ended) counts too."""
+    total = 0.0
+    for log in train_logs(save_dir):
+        with open(log, encoding="utf-8", errors="replace") as f:
+            stamps = re.findall(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \|", f.read(), re.M)
+        if stamps:
+            first, last = (datetime.datetime.strptime(t, "%Y-%m-%d %H:%M:%S") for t in (stamps[0], stamps[-1]))
+            total += (last - first).total_seconds()
+    return total
 
 
 def finished_row(path, epochs):
@@ -141,7 +148,6 @@ def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_p
     best_epoch = min(valid, key=lambda e: (valid[e]["loss"], e))  # fairseq's checkpoint_best: the lowest loss
     with open(os.path.join(save_dir, "train-1.log"), encoding="utf-8") as f:
         params = int(re.search(r"num\. shared model params: ([\d,]+)", f.read()).group(1).replace(",", ""))
-    segments = read_segments(save_dir)
     row = {"pair": PAIR, "model_id": model_id, "moa_config": moa_config if model_id.startswith("moa") else None,
            "model": label, "seed": seed, "recipe": recipe, "recipe_flags": recipe_flags(recipe),
            "epoch_cap": epochs, "patience": PATIENCE, "stopped_by": "patience" if early else "epoch cap",
@@ -151,7 +157,7 @@ def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_p
            "valid_nll_by_epoch": {e: {"updates": int(v["num_updates"]), "loss": v["loss"], "nll": v["nll_loss"]}
                                   for e, v in sorted(valid.items())},
            "train_wall_s": sum(s.get("train_wall", 0.0) for s in train_stats.values()),
-           "elapsed_s": sum(s["wall_s"] for s in segments), "segments": len(segments),
+           "elapsed_s": elapsed_seconds(save_dir), "segments": len(train_logs(save_dir)),
            "train_words_per_s": statistics.median(s["wps"] for s in train_stats.values()),
            "parameters": params, "run": run}
     if score:

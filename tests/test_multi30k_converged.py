@@ -6,12 +6,12 @@ import json
 from benchmarks import multi30k_converged as study
 from benchmarks.multi30k_report import differences, verdict
 
-LINE = ("2026-12-04 05:00:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "
+LINE = ("2026-12-04 05:{minute:02d}:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "
         "wpb 1842 | bsz 117 | num_updates {updates}{tail}\n")
 
 
 def log(kind, epoch, loss, nll=None, wps=2700.0, tail=""):
-    return LINE.format(kind=kind, epoch=epoch, loss=loss, nll=nll or loss - 0.5, wps=wps, updates=255 * epoch,
+    return LINE.format(minute=4 * epoch, kind=kind, epoch=epoch, loss=loss, nll=nll or loss - 0.5, wps=wps, updates=255 * epoch,
                        tail=tail)
 
 
@@ -30,6 +30,8 @@ def test_epoch_figures_come_from_every_log_of_a_run_a_resume_overriding(tmp_path
     assert sorted(valid) == [1, 2, 3, 4] and early
     assert valid[3]["nll_loss"] == 4.3 and valid[4]["num_updates"] == 1020
     assert [train[e]["train_wall"] for e in (1, 2, 3, 4)] == [170, 400, 170, 171]
+    # wall time: 05:04 to 05:10 in the killed call (no line after its kill), 05:12 to 05:20 in the resume
+    assert study.elapsed_seconds(str(tmp_path)) == (6 + 8) * 60 and len(study.train_logs(str(tmp_path))) == 2
 
 
 def test_a_recorded_run_is_skipped_unless_a_longer_cap_asks_for_more(tmp_path):
