@@ -6,7 +6,8 @@
 # 1. tests/gpu: CUDA equals CPU (forward, backward, decoding), the grouped expert projections equal the
 #    loop, a MoA training step without synchronisation, bf16 and fp16 training and generation via the CLIs;
 # 2. benchmarks.gpu_check: the synchronisations of one training step and the bf16 table of MoA modules at
-#    8,192 tokens (loop, grouped GEMM, dense attention of the same active width).
+#    8,192 tokens (loop, grouped GEMM, dense attention of the same active width), also when a test of 1.
+#    failed (the script then exits with pytest's status), so that one call on a lent machine brings both.
 # Python: $PYTHON, else .venv/bin/python, else python3. Where that Python cannot import fairseq (a lent
 # GPU machine: no registry, no fairseq), the wheels of --kit (default .device-kit/, made by
 # bash benchmarks/device_kit.sh) are
@@ -61,8 +62,13 @@ exec > >(tee "$out/check.log") 2>&1
 } > "$out/environment.txt" 2>&1 || true
 cat "$out/environment.txt"
 started=$SECONDS
-"$python" -m pytest -q -p no:cacheprovider -m "$tests" tests/gpu
+tests_rc=0
+"$python" -m pytest -q -p no:cacheprovider -m "$tests" tests/gpu || tests_rc=$?
 echo "tests/gpu: $((SECONDS - started)) s"
 started=$SECONDS
 "$python" -m benchmarks.gpu_check --device "$device" "${quick[@]}" --out "$out/gpu-check.json"
 echo "benchmarks.gpu_check: $((SECONDS - started)) s; results in $out"
+if [ "$tests_rc" != 0 ]; then
+    echo "tests/gpu FAILED (exit $tests_rc): see $out/check.log" >&2
+    exit "$tests_rc"
+fi
