@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check in one command, on a machine as it is (about 8 minutes on one GPU; --quick under 2):
+# The GPU check in one command, on a machine as it is (about 5 minutes on one GPU; --quick under 2):
 #   bash benchmarks/gpu_check.sh [--quick] [--out DIR] [--kit DIR]
 # --quick: tests/gpu without its slow (CLI) tests, and the table at 1,024 tokens: a first pass that finds
 # a broken setup in seconds.
