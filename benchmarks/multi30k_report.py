@@ -121,6 +121,7 @@ def picture(runs, path, title, label):
 
 
 def write_report(out):
+    made_by = provenance_line(provenance("multi30k_converged", ["--report"]))  # before the pictures change the tree
     sweep, runs = rows_in(os.path.join(out, "sweep")), rows_in(os.path.join(out, "runs"))
     runs.sort(key=lambda r: (r["seed"], r["model_id"] != "transformer", r["model_id"], r["moa_config"] or ""))
     lines = ["# Converged Multi30k En-De", "", "## The recipe sweep (Transformer, seed 1, validation only)", "",
@@ -145,7 +146,7 @@ def write_report(out):
                 lambda r: r["recipe"])
     made = sorted({(r["run"]["command"], r["run"]["commit"], r["run"]["torch"], r["run"]["machine"]) for r in sweep + runs})
     lines += ["", "The rows were trained by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
-    lines += ["", provenance_line(provenance("multi30k_converged", ["--report"]))]
+    lines += ["", made_by]
     text = "\n".join(lines) + "\n"
     write_atomically(os.path.join(out, "converged.md"), text)
     print(text)
