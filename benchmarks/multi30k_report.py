@@ -82,10 +82,16 @@ def verdict(diffs):
                 "second seed")
     same_bleu = all(b > 0 for b in bleu) or all(b < 0 for b in bleu)
     same_nll = all(n > 0 for n in nll) or all(n < 0 for n in nll)
-    word = "better" if statistics.mean(bleu) > 0 else "worse"
-    return (f"{word} by {statistics.mean(bleu):+.2f} sacreBLEU on average over {len(diffs)} seeds "
-            f"({', '.join(f'{b:+.2f}' for b in bleu)}; sign {'holds in every seed' if same_bleu else 'differs between seeds'}), "
-            f"validation NLL {statistics.mean(nll):+.3f} bits ({'same sign in every seed' if same_nll else 'sign differs between seeds'})")
+    seeds = f"{len(diffs)} seeds ({', '.join(f'{b:+.2f}' for b in bleu)})"
+    mean_nll = statistics.mean(nll)
+    nll_words = (f"validation NLL {mean_nll:+.3f} bits"
+                 f" ({'same sign in every seed' if same_nll else 'sign differs between seeds'})")
+    if not same_bleu:
+        return (f"no consistent difference: {statistics.mean(bleu):+.2f} sacreBLEU on average over {seeds}, "
+                f"the sign differs between seeds; {nll_words}")
+    word = "better" if bleu[0] > 0 else "worse"
+    return (f"{word} in every seed: by {abs(statistics.mean(bleu)):.2f} sacreBLEU on average over {seeds}; "
+            f"{nll_words}")
 
 
 def picture(runs, path, title, label):

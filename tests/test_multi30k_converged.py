@@ -59,7 +59,10 @@ def test_verdicts_pair_each_seed_with_its_own_transformer_and_say_whether_the_si
             row("moh", 1, 1.9, 37.0, 36.0)]
     moa = differences(runs, "moa", "4K8E64D")
     assert [(s, round(n, 3), a, b) for s, n, a, b in moa] == [(1, 0.1, -1.0, -0.5), (2, -0.05, 0.5, -1.0)]
-    assert verdict(moa).startswith("worse by -0.25 sacreBLEU on average over 2 seeds (-1.00, +0.50; sign differs "
-                                   "between seeds)")
+    assert verdict(moa) == ("no consistent difference: -0.25 sacreBLEU on average over 2 seeds (-1.00, +0.50), "
+                            "the sign differs between seeds; validation NLL +0.025 bits (sign differs between seeds)")
+    worse = [(1, 0.1, -1.0, -0.5), (2, 0.2, -2.0, -1.0)]
+    assert verdict(worse) == ("worse in every seed: by 1.50 sacreBLEU on average over 2 seeds (-1.00, -2.00); "
+                              "validation NLL +0.150 bits (same sign in every seed)")
     assert verdict(differences(runs, "moh", None)).startswith("one seed only (+1.00 sacreBLEU")
     assert verdict(differences(runs, "moa", "4K4E128D")) == "not measured yet"
