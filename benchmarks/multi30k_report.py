@@ -83,8 +83,7 @@ def verdict(diffs):
     same_bleu = all(b > 0 for b in bleu) or all(b < 0 for b in bleu)
     same_nll = all(n > 0 for n in nll) or all(n < 0 for n in nll)
     seeds = f"{len(diffs)} seeds ({', '.join(f'{b:+.2f}' for b in bleu)})"
-    mean_nll = statistics.mean(nll)
-    nll_words = (f"validation NLL {mean_nll:+.3f} bits"
+    nll_words = (f"validation NLL {statistics.mean(nll):+.3f} bits"
                  f" ({'same sign in every seed' if same_nll else 'sign differs between seeds'})")
     if not same_bleu:
         return (f"no consistent difference: {statistics.mean(bleu):+.2f} sacreBLEU on average over {seeds}, "
