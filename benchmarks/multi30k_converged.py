@@ -177,30 +177,51 @@ def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_p
 
 def reproduce(plan, args, data_dir, run):
     """Train each recorded run of ``plan`` afresh in ``args.workdir`` (to ``args.epochs`` or the recorded
-    epochs) and compare its validation NLL at every epoch with the row's; ToolError beyond TOLERANCE."""
-    import tempfile
-
-    worst = 0.0
+    epochs), compare its validation NLL at every epoch with the row's and write the comparison to
+    OUT/reproduced/; ToolError beyond TOLERANCE. A reproduction stopped part-way resumes from its own
+    checkpoints when the command runs again (its folders carry a REPRODUCING mark); a folder without the
+    mark holds a run it did not start, and is refused. Returns the comparisons' paths."""
+    worst, written = 0.0, []
     for model_id, seed, name, _, row_path, _ in plan:
         if not os.path.exists(row_path):
             raise ToolError(f"--reproduce: {row_path} is not recorded; there is nothing to compare with")
         with open(row_path, encoding="utf-8") as f:
             recorded = json.load(f)
-        save_dir = os.path.join(args.workdir, "converged", run_name(model_id, args.moa_config, seed, name))
-        if os.path.exists(save_dir):
-            raise ToolError(f"--reproduce trains afresh, but {save_dir} exists: name an empty --workdir")
+        run_dir = run_name(model_id, args.moa_config, seed, name)
+        save_dir = os.path.join(args.workdir, "converged", run_dir)
+        mark = os.path.join(save_dir, "REPRODUCING")
+        if os.path.exists(save_dir) and not os.path.exists(mark):
+            raise ToolError(f"--reproduce trains afresh, but {save_dir} holds a run it did not start: "
+                            "name an empty --workdir")
+        os.makedirs(save_dir, exist_ok=True)
+        open(mark, "a").close()
         epochs = min(args.epochs or recorded["epochs"], recorded["epochs"])
-        fresh = run_one(model_id, args.moa_config, seed, name, epochs, data_dir, args.workdir,
-                        os.path.join(tempfile.mkdtemp(prefix="moa-reproduce-"), "row.json"), False, run)
-        for epoch, figures in fresh["valid_nll_by_epoch"].items():
+        fresh_path = os.path.join(save_dir, "row.json")
+        fresh = finished_row(fresh_path, epochs) or run_one(model_id, args.moa_config, seed, name, epochs, data_dir,
+                                                            args.workdir, fresh_path, False, run)
+        by_epoch = {}
+        for epoch, figures in sorted(fresh["valid_nll_by_epoch"].items(), key=lambda item: int(item[0])):
             before = recorded["valid_nll_by_epoch"][str(epoch)]["nll"]
-            worst = max(worst, abs(figures["nll"] - before))
-            print(f"{os.path.basename(row_path)[:-5]} epoch {epoch}: valid NLL {figures['nll']:.3f} bits, "
-                  f"recorded {before:.3f} ({figures['nll'] - before:+.3f})", flush=True)
+            by_epoch[str(epoch)] = {"fresh": figures["nll"], "recorded": before}
+            print(f"{run_dir} epoch {epoch}: valid NLL {figures['nll']:.3f} bits, recorded {before:.3f} "
+                  f"({figures['nll'] - before:+.3f})", flush=True)
+        largest = max(abs(e["fresh"] - e["recorded"]) for e in by_epoch.values())
+        worst = max(worst, largest)
+        path = os.path.join(args.out, "reproduced", f"{run_dir}.json")
+        write_atomically(path, json.dumps({
+            "recorded_row": os.path.relpath(row_path, ROOT), "recorded_run": recorded["run"], "epochs": epochs,
+            "valid_nll_by_epoch": by_epoch, "largest_difference_bits": largest, "tolerance_bits": TOLERANCE,
+            "within_tolerance": largest <= TOLERANCE, "segments": fresh["segments"],
+            "elapsed_s": fresh["elapsed_s"], "run": run}, indent=1) + "\n")
+        written.append(path)
+        if args.commit:
+            commit(path, f"multi30k-converged: {run_dir} reproduced from a clean start over {epochs} epochs "
+                         f"(largest difference {largest:.3f} bits)")
     print(f"largest difference: {worst:.3f} bits (tolerance {TOLERANCE})")
     if worst > TOLERANCE:
         raise ToolError(f"--reproduce: a validation NLL differs from its recorded value by {worst:.3f} bits, "
                         f"more than {TOLERANCE}")
+    return written
 
 
 def commit(path, message):
@@ -225,10 +246,12 @@ def _main(argv):
     parser.add_argument("--moa-config", default=DEFAULT_MOA, metavar="kKeEdD",
                         help="MoA experts of the moa and moa-self models (default 4K8E64D)")
     parser.add_argument("--recipe", choices=list(SWEEP), help="train with this recipe instead of the sweep's choice")
-    parser.add_argument("--commit", action="store_true", help="git-commit each run's row as it is written")
+    parser.add_argument("--commit", action="store_true",
+                        help="git-commit each run's row (or reproduction) as it is written")
     parser.add_argument("--reproduce", action="store_true",
-                        help="train the recorded runs afresh in --workdir (an empty folder) and compare their "
-                             f"validation NLL at every epoch; exit 1 beyond {TOLERANCE} bits")
+                        help="train the recorded runs afresh in --workdir (an empty folder, or one this option "
+                             "started: it resumes) and compare their validation NLL at every epoch, written to "
+                             f"OUT/reproduced/; exit 1 beyond {TOLERANCE} bits")
     parser.add_argument("--epochs", type=int, help="with --reproduce: compare the first N epochs only")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
     parser.add_argument("--out", default=OUT, help="folder of the rows, tables and picture")

@@ -1,10 +1,14 @@
 """The converged Multi30k study's bookkeeping: what it reads from fairseq-train's logs across resumes,
 which recorded runs it skips, and how its verdicts read per-seed differences."""
 
+import argparse
 import json
+
+import pytest
 
 from benchmarks import multi30k_converged as study
 from benchmarks.multi30k_report import differences, verdict
+from moa_tools import ToolError
 
 LINE = ("2026-12-04 05:{minute:02d}:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "
         "wpb 1842 | bsz 117 | num_updates {updates}{tail}\n")
@@ -66,3 +70,42 @@ def test_verdicts_pair_each_seed_with_its_own_transformer_and_say_whether_the_si
                               "validation NLL +0.150 bits (same sign in every seed)")
     assert verdict(differences(runs, "moh", None)).startswith("one seed only (+1.00 sacreBLEU")
     assert verdict(differences(runs, "moa", "4K4E128D")) == "not measured yet"
+
+
+def test_a_reproduction_resumes_its_own_folders_refuses_others_and_records_each_comparison(tmp_path, monkeypatch):
+    name = study.run_name("transformer", "4K8E64D", 1, "r")
+    recorded = tmp_path / "runs" / f"{name}.json"
+    recorded.parent.mkdir()
+    recorded.write_text(json.dumps({"epochs": 2, "run": {"commit": "abc"},
+                                    "valid_nll_by_epoch": {"1": {"nll": 5.0}, "2": {"nll": 4.0}}}))
+    trained = []
+
+    def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_path, score, run):
+        trained.append(epochs)
+        fresh = {"epoch_cap": epochs, "stopped_by": "epoch cap", "segments": 1, "elapsed_s": 60.0,
+                 "valid_nll_by_epoch": {1: {"nll": 5.004}, 2: {"nll": 4.0 + offset}}}
+        study.write_atomically(row_path, json.dumps(fresh))
+        return fresh
+
+    monkeypatch.setattr(study, "run_one", run_one)
+    plan = [("transformer", 1, "r", 20, str(recorded), True)]
+    args = argparse.Namespace(moa_config="4K8E64D", workdir=str(tmp_path / "work"), epochs=None,
+                              out=str(tmp_path / "out"), commit=False)
+    (tmp_path / "work" / "converged" / name).mkdir(parents=True)  # the study's own run, say
+    with pytest.raises(ToolError, match="did not start"):
+        study.reproduce(plan, args, "data", {})
+    assert not trained
+
+    args.workdir, offset = str(tmp_path / "fresh"), -0.002
+    [path] = study.reproduce(plan, args, "data", {"commit": "def"})
+    again = study.reproduce(plan, args, "data", {"commit": "def"})  # finished: compared again, not retrained
+    assert trained == [2] and again == [path]
+    comparison = json.loads(open(path).read())
+    assert comparison["valid_nll_by_epoch"]["2"] == {"fresh": 3.998, "recorded": 4.0}
+    assert round(comparison["largest_difference_bits"], 6) == 0.004 and comparison["within_tolerance"]
+    assert comparison["recorded_run"] == {"commit": "abc"} and comparison["run"] == {"commit": "def"}
+
+    args.workdir, offset = str(tmp_path / "drifted"), 0.02
+    with pytest.raises(ToolError, match="0.020 bits"):
+        study.reproduce(plan, args, "data", {})
+    assert not json.loads(open(path).read())["within_tolerance"]  # the record says so before the error
