@@ -2,8 +2,9 @@
 
     .venv/bin/python -m benchmarks.multi30k_converged --report
 
-Reads ``sweep/*.json`` and ``runs/*.json`` of the study's folder and writes ``converged.md`` (the sweep,
-every run, each model's difference to the Transformer of the same seed, the verdicts),
+Reads ``sweep/*.json``, ``runs/*.json`` and ``reproduced/*.json`` of the study's folder and writes
+``converged.md`` (the sweep, every run, each model's difference to the Transformer of the same seed, the
+verdicts, the reproductions),
 ``valid-nll.png`` (validation NLL in bits against updates, every model and seed) and
 ``sweep-valid-nll.png`` (the same for the sweep's recipes).
 """
@@ -54,6 +55,16 @@ def runs_table(runs):
                      f"{r['best_valid_nll']:.3f} | {r['train_words_per_s']:.0f} | {r['train_wall_s'] / 60:.0f} | "
                      f"{r['averaged']['sacrebleu']:.2f} | {r['averaged']['tokenized_bleu']:.2f} | "
                      f"{r['best']['sacrebleu']:.2f} | {r['best']['tokenized_bleu']:.2f} |")
+    return lines
+
+
+def reproduced_table(comparisons):
+    lines = ["| run | epochs trained afresh | largest difference in valid NLL (bits) | within tolerance | "
+             "calls | recorded at commit | reproduced at commit |", "|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        lines.append(f"| {os.path.basename(c['recorded_row'])[:-5]} | {c['epochs']} | {c['largest_difference_bits']:.3f} | "
+                     f"{'yes' if c['within_tolerance'] else 'no'} ({c['tolerance_bits']}) | {c['segments']} | "
+                     f"{c['recorded_run']['commit'][:7]} | {c['run']['commit'][:7]} |")
     return lines
 
 
@@ -142,6 +153,9 @@ def write_report(out):
     lines += ["", "## Verdicts", ""]
     lines += [f"- **{question}**: {verdict(differences(runs, model_id, config))}."
               for question, model_id, config in QUESTIONS]
+    reproduced = rows_in(os.path.join(out, "reproduced"))
+    if reproduced:
+        lines += ["", "## Reproduced from a clean start (`--reproduce`)", "", *reproduced_table(reproduced)]
     if runs:
         lines += ["", f"sacreBLEU signature: {runs[0]['averaged']['signature']}"]
         picture(runs, os.path.join(out, "valid-nll.png"), "Multi30k En-De, validation NLL at each epoch's end",
@@ -149,7 +163,8 @@ def write_report(out):
     if sweep:
         picture(sweep, os.path.join(out, "sweep-valid-nll.png"), "The recipe sweep: the Transformer, seed 1",
                 lambda r: r["recipe"])
-    made = sorted({(r["run"]["command"], r["run"]["commit"], r["run"]["torch"], r["run"]["machine"]) for r in sweep + runs})
+    made = sorted({(r["run"]["command"], r["run"]["commit"], r["run"]["torch"], r["run"]["machine"])
+                   for r in sweep + runs + reproduced})
     lines += ["", "The rows were trained by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
     lines += ["", made_by]
     text = "\n".join(lines) + "\n"

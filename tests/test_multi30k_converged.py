@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import multi30k_converged as study
-from benchmarks.multi30k_report import differences, verdict
+from benchmarks.multi30k_report import differences, reproduced_table, verdict
 from moa_tools import ToolError
 
 LINE = ("2026-12-04 05:{minute:02d}:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "
@@ -103,7 +103,7 @@ def test_a_reproduction_resumes_its_own_folders_refuses_others_and_records_each_
     comparison = json.loads(open(path).read())
     assert comparison["valid_nll_by_epoch"]["2"] == {"fresh": 3.998, "recorded": 4.0}
     assert round(comparison["largest_difference_bits"], 6) == 0.004 and comparison["within_tolerance"]
-    assert comparison["recorded_run"] == {"commit": "abc"} and comparison["run"] == {"commit": "def"}
+    assert reproduced_table([comparison])[-1] == f"| {name} | 2 | 0.004 | yes (0.01) | 1 | abc | def |"
 
     args.workdir, offset = str(tmp_path / "drifted"), 0.02
     with pytest.raises(ToolError, match="0.020 bits"):
