@@ -4,13 +4,16 @@ Importing the package registers the ``moa_transformer``, ``moa_roberta``, ``moa_
 ``moh_transformer``, ``moh_roberta`` and ``moh_lm`` models and their archs (and the Transformer twin
 ``transformer_lm_small``) and the ``moa_label_smoothed_cross_entropy``, ``moa_masked_lm`` and
 ``moa_cross_entropy`` criterions, and applies the plugin's changes to fairseq (:mod:`moa.fairseq_fixes.patches`:
-the safe loader's allow-list, damaged-checkpoint errors, data parallelism on CPU ranks). The data
+the safe loader's allow-list, damaged-checkpoint errors, data parallelism on CPU ranks), and gives torch's
+FLOP counter the formulas it lacks for the ops moa runs (:mod:`moa.flops`). The data
 preparation and scoring tools are the separate ``moa_tools`` package.
 """
 
+from moa import flops
 from moa.fairseq_fixes import patches
 
 patches.apply()
+flops.register()
 
 from moa import criterions  # noqa: E402,F401
 from moa.models import moa_lm, moa_roberta, moa_transformer, moh_lm, moh_roberta, moh_transformer  # noqa: E402,F401
