@@ -107,7 +107,7 @@ def train(model_args, recipe, seed, epochs, save_dir, data_dir):
     logs to the next train-N.log."""
     os.makedirs(save_dir, exist_ok=True)
     run_logged([fairseq_command("fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
-                *model_args, *SHAPE, *COMMON_TRAINING, *recipe_flags(recipe), "--seed", str(seed),
+                *SHAPE, *model_args, *COMMON_TRAINING, *recipe_flags(recipe), "--seed", str(seed),
                 "--max-epoch", str(epochs), "--patience", str(PATIENCE), "--keep-last-epochs", str(AVERAGE),
                 "--save-dir", save_dir], os.path.join(save_dir, f"train-{len(train_logs(save_dir)) + 1}.log"))
 

@@ -33,7 +33,7 @@ All translate every test_2016_flickr sentence (beam 4, length penalty 0.6, check
 are scored with sacreBLEU against the raw references (see moa_tools.scoring).
 
 Reported per model: parameters; forward MACs per target token, counted by torch.utils.flop_counter
-on the first 200 validation pairs, teacher-forced, one pair at a time; training words/s (fairseq's
+(with moa.flops' formulas for the grouped GEMM and the CPU's fused attention) on the first 200 validation pairs, teacher-forced, one pair at a time; training words/s (fairseq's
 wps) and wall time; best validation loss and NLL, and the validation NLL at every epoch end (equal
 updates across models of one seed); sacreBLEU and the paper's tokenised BLEU. ``--seeds`` trains
 every model once per seed (fairseq's --seed: the same batch order for every model of a seed), and
@@ -67,6 +67,8 @@ SHAPE = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim"
 MOA = ["--arch", "moa_small", "--criterion", "moa_label_smoothed_cross_entropy", "--moa-alpha", "0.01", "--moa-beta", "0.001"]
 MOH = ["--arch", "moh_small", "--criterion", "moa_label_smoothed_cross_entropy", "--moh-beta", "0.01"]
 DEFAULT_MOA = "4K8E64D"
+TRANSFORMER = ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]
+NARROW_FFN = 768  # the FFN width at which the Transformer costs what MoA 4K8E64D does (within 3%)
 
 
 def models(moa_config=DEFAULT_MOA):
@@ -85,7 +87,9 @@ def models(moa_config=DEFAULT_MOA):
         "moa-released": (f"MoA {moa_config}, the released code's choices", moa_args + ["--moa-released-code"]),
         "moh": ("MoH 2+1of2, paper gates (moh_small)", MOH + ["--moh-gate-scale", "softmax"]),
         "moh-unit": ("MoH 2+1of2, unit gates (moh_small)", MOH + ["--moh-gate-scale", "unit"]),
-        "transformer": ("Transformer 4x64 (transformer)", ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]),
+        "transformer": ("Transformer 4x64 (transformer)", TRANSFORMER),
+        "transformer-narrow": (f"Transformer 4x64, FFN {NARROW_FFN} (transformer)",
+                               TRANSFORMER + [f"--{side}-ffn-embed-dim={NARROW_FFN}" for side in ("encoder", "decoder")]),
     }
 
 
@@ -122,19 +126,31 @@ def prepare(pair, workdir, mirror, smoke):
     return data_dir
 
 
-def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200, overrides=None):
-    """Forward MACs per target token over the first ``pairs`` validation pairs, teacher-forced, of the
-    method: MoA and MoH on their routed paths (only the selected experts' or heads' projections),
-    whatever the batch size; ``overrides``: model arguments to change, as fairseq-generate's
-    --model-overrides."""
-    from fairseq import checkpoint_utils
+def macs_per_target_token(checkpoint, data_dir, src, tgt, pairs=200, overrides=None, model_args=None):
+    """Forward MACs per target token over the first ``pairs`` validation pairs, teacher-forced, one pair at a
+    time, counted by torch's FLOP counter (which ``import moa`` teaches the grouped GEMM and the CPU's fused
+    attention, :mod:`moa.flops`), in float32. MoA and MoH run their routed paths (only the selected experts'
+    or heads' projections). The model: ``checkpoint`` (``overrides``: model arguments to change, as
+    fairseq-generate's --model-overrides), or, with ``checkpoint`` None, a model built untrained from
+    ``model_args`` (its fairseq-train arch flags; MoA's count does not depend on the weights, MoH's
+    attention over its packed queries does, a little)."""
+    from fairseq import checkpoint_utils, options, tasks
 
     from moa.moa_attention import MixtureOfAttentionHeads
     from moa.moh_attention import MixtureOfHeadsAttention
 
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [checkpoint], arg_overrides={"data": os.path.join(data_dir, "data-bin"), **(overrides or {})})
-    model = models[0].eval()
+    data_bin = os.path.join(data_dir, "data-bin")
+    if checkpoint is None:
+        torch.manual_seed(1)
+        args = options.parse_args_and_arch(options.get_training_parser(),
+                                           [data_bin, "--user-dir", USER_DIR, *SHAPE, *model_args, *COMMON_TRAINING])
+        task = tasks.setup_task(args)
+        model = task.build_model(args)
+    else:
+        models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+            [checkpoint], arg_overrides={"data": data_bin, **(overrides or {})})
+        model = models[0]
+    model = model.float().eval()
     for module in model.modules():
         if isinstance(module, MixtureOfAttentionHeads):
             module.path = "routed"
@@ -165,7 +181,7 @@ def train_and_score(model_id, moa_config, name, model_args, pair, seed, data_dir
     os.makedirs(save)
     started = time.time()
     log = run_logged([fairseq_command("fairseq-train"), os.path.join(data_dir, "data-bin"), "--user-dir", USER_DIR,
-                      *model_args, *SHAPE, *TRAINING, *budget, "--seed", str(seed), "--save-dir", save],
+                      *SHAPE, *model_args, *TRAINING, *budget, "--seed", str(seed), "--save-dir", save],
                      os.path.join(save, "train.log"))
     train_wall = time.time() - started
     wps = [float(x) for line in log.splitlines() if "| train |" in line for x in re.findall(r"\| wps ([\d.]+)", line)]
