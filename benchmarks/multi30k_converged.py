@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.multi30k_converged                    # the study: every model, seeds 1 and 2
     .venv/bin/python -m benchmarks.multi30k_converged --models transformer moa --seeds 1
     .venv/bin/python -m benchmarks.multi30k_converged --report           # tables and the picture from the rows
+    .venv/bin/python -m benchmarks.multi30k_converged --recount-macs     # the rows' MACs counted again
     .venv/bin/python -m benchmarks.multi30k_converged --models transformer moa --seeds 1 --reproduce \
         --workdir /tmp/fresh [--epochs 3]     # train recorded runs afresh and compare every epoch's valid NLL
 
@@ -224,6 +225,23 @@ def reproduce(plan, args, data_dir, run):
     return written
 
 
+def recount_macs(out, data_dir, run):
+    """Count every recorded row's MACs per target token again, from a model built from its flags (the count
+    does not depend on the trained weights, but for MoH's attention over its packed queries, a little), as
+    :func:`~benchmarks.translation_multi30k.macs_per_target_token` counts now, and write them into the rows
+    with the run that counted them (``macs_run``)."""
+    for path in sorted(glob.glob(os.path.join(out, "runs", "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            row = json.load(f)
+        _, model_args = models(row["moa_config"] or DEFAULT_MOA)[row["model_id"]]
+        before = row["macs_per_target_token"]
+        row["macs_per_target_token"] = macs_per_target_token(None, data_dir, *PAIR.split("-"), model_args=model_args)
+        row["macs_run"] = run
+        write_atomically(path, json.dumps(row, indent=1) + "\n")
+        print(f"{os.path.basename(path)}: {before / 1e6:.2f}M -> {row['macs_per_target_token'] / 1e6:.2f}M MACs per "
+              "target token", flush=True)
+
+
 def commit(path, message):
     """Commit the one file ``path`` in the repository that holds it; a failure is reported, not raised
     (the row stays written)."""
@@ -252,6 +270,8 @@ def _main(argv):
                         help="train the recorded runs afresh in --workdir (an empty folder, or one this option "
                              "started: it resumes) and compare their validation NLL at every epoch, written to "
                              f"OUT/reproduced/; exit 1 beyond {TOLERANCE} bits")
+    parser.add_argument("--recount-macs", action="store_true",
+                        help="train nothing: count every recorded row's MACs again from its model's flags")
     parser.add_argument("--epochs", type=int, help="with --reproduce: compare the first N epochs only")
     parser.add_argument("--workdir", default=os.path.join(ROOT, "benchmarks", "work-multi30k"))
     parser.add_argument("--out", default=OUT, help="folder of the rows, tables and picture")
@@ -272,6 +292,9 @@ def _main(argv):
         raise ToolError("no recipe is chosen yet: run --sweep first, or name one with --recipe")
     run = provenance("multi30k_converged", argv)
     data_dir = prepared(args.workdir)
+    if args.recount_macs:
+        recount_macs(args.out, data_dir, run)
+        return
     if args.sweep:
         plan = [("transformer", 1, name, SWEEP_EPOCHS, os.path.join(args.out, "sweep", f"{name}.json"), False)
                 for name in SWEEP]
