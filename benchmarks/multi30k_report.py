@@ -17,11 +17,17 @@ import statistics
 from benchmarks.common import provenance, provenance_line, write_atomically
 from benchmarks.multi30k_converged import SWEEP
 
-# (question, model id, MoA configuration or None): each compared with the Transformer of the same seed
-QUESTIONS = [("MoA 4K8E64D against the Transformer", "moa", "4K8E64D"),
-             ("MoH 75% against the Transformer", "moh", None),
-             ("MoA 4K4E128D (the paper base's proportions) against the Transformer", "moa", "4K4E128D"),
-             ("MoA in self-attention only against the Transformer", "moa-self", "4K8E64D")]
+NLL_TIE = 0.02  # bits of validation NLL: a smaller mean difference is a tie, not a finding
+# (question, model id, MoA configuration or None, the model it is compared with, of the same seed and recipe)
+QUESTIONS = [("MoA 4K8E64D against the Transformer", "moa", "4K8E64D", "transformer"),
+             ("MoH 75% against the Transformer", "moh", None, "transformer"),
+             ("MoA 4K8E64D against the Transformer of its cost (FFN 768)", "moa", "4K8E64D", "transformer-narrow"),
+             ("MoA 4K4E64D (every expert on every token) against the Transformer of its cost", "moa", "4K4E64D",
+              "transformer-narrow"),
+             ("MoA 4K16E64D against the Transformer", "moa", "4K16E64D", "transformer"),
+             ("MoA 4K32E64D against the Transformer", "moa", "4K32E64D", "transformer"),
+             ("MoA 4K4E128D (the paper base's proportions) against the Transformer", "moa", "4K4E128D", "transformer"),
+             ("MoA in self-attention only against the Transformer", "moa-self", "4K8E64D", "transformer")]
 
 
 def rows_in(folder):
@@ -68,21 +74,22 @@ def reproduced_table(comparisons):
     return lines
 
 
-def differences(runs, model_id, moa_config):
-    """[(seed, valid NLL difference, averaged sacreBLEU difference, best-checkpoint sacreBLEU difference)]
-    of one model to the Transformer of the same seed and recipe."""
-    transformers = {(r["seed"], r["recipe"]): r for r in runs if r["model_id"] == "transformer"}
+def differences(runs, model_id, moa_config, baseline="transformer"):
+    """[(seed, valid NLL difference, averaged sacreBLEU difference, best-checkpoint sacreBLEU difference,
+    MACs ratio)] of one model to the ``baseline`` model of the same seed and recipe."""
+    transformers = {(r["seed"], r["recipe"]): r for r in runs if r["model_id"] == baseline}
     out = []
     for r in runs:
         if r["model_id"] != model_id or r["moa_config"] != moa_config or (r["seed"], r["recipe"]) not in transformers:
             continue
         t = transformers[(r["seed"], r["recipe"])]
         out.append((r["seed"], r["best_valid_nll"] - t["best_valid_nll"],
-                    r["averaged"]["sacrebleu"] - t["averaged"]["sacrebleu"], r["best"]["sacrebleu"] - t["best"]["sacrebleu"]))
+                    r["averaged"]["sacrebleu"] - t["averaged"]["sacrebleu"], r["best"]["sacrebleu"] - t["best"]["sacrebleu"],
+                    r["macs_per_target_token"] / t["macs_per_target_token"]))
     return sorted(out)
 
 
-def verdict(diffs):
+def verdict(diffs, baseline="transformer"):
     """One sentence from the per-seed differences: which way, and whether the sign holds in every seed."""
     if not diffs:
         return "not measured yet"
@@ -96,12 +103,14 @@ def verdict(diffs):
     seeds = f"{len(diffs)} seeds ({', '.join(f'{b:+.2f}' for b in bleu)})"
     nll_words = (f"validation NLL {statistics.mean(nll):+.3f} bits"
                  f" ({'same sign in every seed' if same_nll else 'sign differs between seeds'})")
+    if abs(statistics.mean(nll)) < NLL_TIE:
+        nll_words += f", a tie (under {NLL_TIE} bits)"
     if not same_bleu:
         return (f"no consistent difference: {statistics.mean(bleu):+.2f} sacreBLEU on average over {seeds}, "
                 f"the sign differs between seeds; {nll_words}")
     word = "better" if bleu[0] > 0 else "worse"
     return (f"{word} in every seed: by {abs(statistics.mean(bleu)):.2f} sacreBLEU on average over {seeds}; "
-            f"{nll_words}")
+            f"{nll_words}; at {statistics.mean(d[4] for d in diffs):.2f}x the MACs of {baseline}")
 
 
 def picture(runs, path, title, label):
@@ -143,16 +152,18 @@ def write_report(out):
     lines = ["# Converged Multi30k En-De", "", "## The recipe sweep (Transformer, seed 1, validation only)", "",
              *sweep_table(sweep), "", "## Every run", "",
              "Test: test_2016_flickr, beam 4, length penalty 0.6; *average*: the last epoch checkpoints averaged; "
-             "*best*: checkpoint_best (lowest validation loss). MACs: forward, per target token. Valid NLL in bits.",
-             "", *runs_table(runs), "", "## Differences to the Transformer of the same seed", "",
-             "| model | seed | valid NLL | sacreBLEU, average | sacreBLEU, best |", "|---|---|---|---|---|"]
-    for _, model_id, config in QUESTIONS:
-        for seed, nll, avg, best in differences(runs, model_id, config):
+             "*best*: checkpoint_best (lowest validation loss). MACs: forward, per target token, counted with the "
+             "experts' grouped GEMM and the fused attention (moa.flops). Valid NLL in bits.",
+             "", *runs_table(runs), "", "## Differences to the model compared with, of the same seed", "",
+             "| model | against | seed | valid NLL | sacreBLEU, average | sacreBLEU, best | MACs ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for _, model_id, config, baseline in QUESTIONS:
+        for seed, nll, avg, best, macs in differences(runs, model_id, config, baseline):
             label = next(r["model"] for r in runs if r["model_id"] == model_id and r["moa_config"] == config)
-            lines.append(f"| {label} | {seed} | {nll:+.3f} | {avg:+.2f} | {best:+.2f} |")
+            lines.append(f"| {label} | {baseline} | {seed} | {nll:+.3f} | {avg:+.2f} | {best:+.2f} | {macs:.2f}x |")
     lines += ["", "## Verdicts", ""]
-    lines += [f"- **{question}**: {verdict(differences(runs, model_id, config))}."
-              for question, model_id, config in QUESTIONS]
+    lines += [f"- **{question}**: {verdict(differences(runs, model_id, config, baseline), baseline)}."
+              for question, model_id, config, baseline in QUESTIONS]
     reproduced = rows_in(os.path.join(out, "reproduced"))
     if reproduced:
         lines += ["", "## Reproduced from a clean start (`--reproduce`)", "", *reproduced_table(reproduced)]
@@ -163,9 +174,9 @@ def write_report(out):
     if sweep:
         picture(sweep, os.path.join(out, "sweep-valid-nll.png"), "The recipe sweep: the Transformer, seed 1",
                 lambda r: r["recipe"])
-    made = sorted({(r["run"]["command"], r["run"]["commit"], r["run"]["torch"], r["run"]["machine"])
-                   for r in sweep + runs + reproduced})
-    lines += ["", "The rows were trained by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
+    made = sorted({(run["command"], run["commit"], run["torch"], run["machine"])
+                   for r in sweep + runs + reproduced for run in (r["run"], r.get("macs_run")) if run})
+    lines += ["", "The rows were trained (and their MACs counted) by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
     lines += ["", made_by]
     text = "\n".join(lines) + "\n"
     write_atomically(os.path.join(out, "converged.md"), text)

@@ -52,22 +52,26 @@ def test_a_sweep_run_and_the_study_run_it_becomes_share_one_folder():
     assert study.run_name("moa", "4K4E128D", 2, "r") == "moa-4K4E128D-seed2-r"
 
 
-def row(model_id, seed, nll, avg, best, config=None):
+def row(model_id, seed, nll, avg, best, config=None, macs=1.0):
     return {"model_id": model_id, "moa_config": config, "seed": seed, "recipe": "r", "best_valid_nll": nll,
-            "averaged": {"sacrebleu": avg}, "best": {"sacrebleu": best}, "model": model_id}
+            "averaged": {"sacrebleu": avg}, "best": {"sacrebleu": best}, "model": model_id,
+            "macs_per_target_token": macs}
 
 
 def test_verdicts_pair_each_seed_with_its_own_transformer_and_say_whether_the_sign_holds():
     runs = [row("transformer", 1, 2.0, 36.0, 35.5), row("transformer", 2, 2.1, 35.0, 35.0),
-            row("moa", 1, 2.1, 35.0, 35.0, "4K8E64D"), row("moa", 2, 2.05, 35.5, 34.0, "4K8E64D"),
+            row("moa", 1, 2.1, 35.0, 35.0, "4K8E64D", 0.9), row("moa", 2, 2.05, 35.5, 34.0, "4K8E64D", 0.9),
             row("moh", 1, 1.9, 37.0, 36.0)]
     moa = differences(runs, "moa", "4K8E64D")
-    assert [(s, round(n, 3), a, b) for s, n, a, b in moa] == [(1, 0.1, -1.0, -0.5), (2, -0.05, 0.5, -1.0)]
+    assert [(s, round(n, 3), a, b, m) for s, n, a, b, m in moa] == [(1, 0.1, -1.0, -0.5, 0.9), (2, -0.05, 0.5, -1.0, 0.9)]
     assert verdict(moa) == ("no consistent difference: -0.25 sacreBLEU on average over 2 seeds (-1.00, +0.50), "
                             "the sign differs between seeds; validation NLL +0.025 bits (sign differs between seeds)")
-    worse = [(1, 0.1, -1.0, -0.5), (2, 0.2, -2.0, -1.0)]
+    worse = [(1, 0.1, -1.0, -0.5, 0.9), (2, 0.2, -2.0, -1.0, 0.8)]
     assert verdict(worse) == ("worse in every seed: by 1.50 sacreBLEU on average over 2 seeds (-1.00, -2.00); "
-                              "validation NLL +0.150 bits (same sign in every seed)")
+                              "validation NLL +0.150 bits (same sign in every seed); at 0.85x the MACs of transformer")
+    tie = [(1, 0.01, -1.0, -0.5, 1.0), (2, 0.02, -2.0, -1.0, 1.0)]
+    assert verdict(tie).endswith("validation NLL +0.015 bits (same sign in every seed), a tie (under 0.02 bits); "
+                                 "at 1.00x the MACs of transformer")
     assert verdict(differences(runs, "moh", None)).startswith("one seed only (+1.00 sacreBLEU")
     assert verdict(differences(runs, "moa", "4K4E128D")) == "not measured yet"
 
