@@ -1,11 +1,11 @@
 """Does torch.compile of the routed attention modules pay on this machine? Eager against compiled, side by side.
 
-    .venv/bin/python -m benchmarks.torch_compile            # about 10 minutes on 2 cores, most of it compiling
+    .venv/bin/python -m benchmarks.torch_compile [--dtype bfloat16]   # about 10 minutes on 2 cores, most compiling
 
 At the Multi30k shape (benchmarks.moa_speed's ``small`` section), for ``moa_small`` and ``moh_small``:
 one training step (criterion, backward) on 128 x 16 tokens and beam-4 decoding of 32 sentences forced to
-16 tokens, with every routed attention module's forward wrapped in ``torch.compile(dynamic=True)``
-against the same model eager. The first call (which compiles) is reported apart; then medians of
+16 tokens, with every routed attention module compiled as ``--compile-routed-attention`` compiles it
+(moa.routed_attention.compile_routed_attention) against the same model eager. The first call (which compiles) is reported apart; then medians of
 interleaved rounds. The compiler's cache starts empty (a fresh ``TORCHINDUCTOR_CACHE_DIR``), so the
 compile time is what a first run pays.
 """
@@ -23,20 +23,13 @@ from torch._dynamo.utils import counters
 import moa  # noqa: F401  (registers the plugin)
 from benchmarks.common import RESULTS, provenance, provenance_line, write_atomically
 from benchmarks.moa_speed import beam_decode, criterion_for, shape_model, synthetic_batch
-from moa.routed_attention import RoutedAttention
+from moa.routed_attention import compile_routed_attention
 
 
-def build(arch, compiled):
-    model = shape_model("small", arch, torch.device("cpu"))
+def build(arch, compiled, dtype):
+    model = shape_model("small", arch, torch.device("cpu")).to(dtype)
     if compiled:
-        # Every module shares one forward code object, and each module and shape is its own graph: past
-        # dynamo's default of 8 per code object, the rest would run eager and the comparison would not
-        # be of compiled modules.
-        torch._dynamo.reset()
-        torch._dynamo.config.recompile_limit = 256
-        for module in model.modules():
-            if isinstance(module, RoutedAttention):
-                module.forward = torch.compile(module.forward, dynamic=True)
+        compile_routed_attention(model)
     return model
 
 
@@ -53,18 +46,22 @@ def job(model, arch, kind):
     return step
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.torch_compile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["moa_small", "moh_small"])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(RESULTS, "torch-compile", "cpu.json"))
-    args = parser.parse_args()
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--out", help="default benchmarks/results/torch-compile/cpu-DTYPE.json")
+    args = parser.parse_args(argv)
+    args.out = args.out or os.path.join(RESULTS, "torch-compile", f"cpu-{args.dtype}.json")
+    dtype = getattr(torch, args.dtype)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="moa-inductor-"))  # compile afresh
     rows = []
     for arch in args.models:
         counters.clear()
-        models = {compiled: build(arch, compiled) for compiled in (False, True)}
+        torch._dynamo.reset()
+        models = {compiled: build(arch, compiled, dtype) for compiled in (False, True)}
         for kind in ("train", "decode"):
             runs, first = {}, {}
             try:
@@ -92,7 +89,7 @@ def main():
             row["graph_breaks"] = sum(counters["graph_break"].values())
             rows.append(row)
             print(json.dumps(row), flush=True)
-    lines = ["# torch.compile of the routed attention modules (CPU)", "",
+    lines = [f"# torch.compile of the routed attention modules (CPU, {args.dtype})", "",
              "| model | job | eager ms | compiled ms | compiled / eager | first call eager s | first call compiled s "
              "| graphs | graph breaks |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -103,7 +100,7 @@ def main():
         lines.append(f"| {r['model']} | {r['job']} | {r['eager_ms']:.0f} | {r['compiled_ms']:.0f} | "
                      f"{r['compiled_over_eager']:.2f}x | {r['first_call_eager_s']:.1f} | {r['first_call_compiled_s']:.1f} | "
                      f"{r['graphs']} | {r['graph_breaks']} |")
-    run = provenance("torch_compile")
+    run = provenance("torch_compile", argv)
     text = "\n".join(lines) + "\n\n" + provenance_line(run)
     print("\n" + text)
     write_atomically(args.out, json.dumps({"run": run, "rows": rows}, indent=1))

@@ -12,7 +12,7 @@ attention layout each assignment reads and writes:
   its own K/V, in time order and padded to the longest group of the batch.
 
 Both count the block sizes on the device; MoA's plan reads nothing on the host, MoH's reads one number
-(the packed layout's length is a shape).
+(the packed layout's length is a shape), except under torch.compile, where it is the sequence length.
 """
 
 import torch
@@ -54,7 +54,7 @@ class HeadPacking:
     token ``token[p]`` and packed row ``packed_row[p]``; ``order[p]`` is the assignment index
     n * K + j. ``position`` (bsz, E, length) is each packed row's time step (empty rows: the
     last one, so that they see some key and stay finite); ``counts`` (E,) the assignments per head.
-    One host read: the length.
+    One host read: the length (under torch.compile none: the length is tgt_len).
     """
 
     def __init__(self, heads: Tensor, num_heads: int, tgt_len: int, bsz: int):
@@ -66,7 +66,9 @@ class HeadPacking:
         by_group = group.argsort(stable=True)  # within a group: token order, i.e. time order
         counts = _count(group, bsz * num_heads)
         self.counts = _count(flat, num_heads)
-        self.length = counts.max().item()  # the plan's one host read
+        # the plan's one host read; a compiled graph takes the sequence length instead (the longest a group
+        # can be): static shapes, one graph whatever the routing, at the cost of attention over padded rows
+        self.length = tgt_len if torch.compiler.is_compiling() else counts.max().item()
         sorted_group = group[by_group]
         rank = torch.arange(flat.numel(), device=heads.device) - (counts.cumsum(0) - counts)[sorted_group]
         packed_row = torch.empty_like(flat)

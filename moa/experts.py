@@ -46,12 +46,45 @@ def padded_counts(counts: Tensor, x: Tensor, assignments: int) -> Optional[Tuple
 def grouped_mm(rows: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     """rows (R, in_dim) @ w (E, in_dim, out_dim) group by group, group e ending at row ``ends[e]``: torch's
     grouped GEMM. Where it has no kernel: float64 (the tests' exact references) group by group, and half
-    precision with rows or strides of other than whole 16-byte units (widths no real model has) in float32."""
+    precision with rows or strides of other than whole 16-byte units (widths no real model has) in float32.
+    Under torch.compile, other dtypes than bfloat16 go through :func:`compilable_grouped_mm`."""
     if rows.dtype == torch.float64:
         return looped_mm(rows, w, ends)
     if any(stride * t.element_size() % 16 for t in (rows, w) for stride in t.stride() if stride != 1):
-        return F.grouped_mm(rows.float(), w.float(), offs=ends.to(torch.int32)).to(rows.dtype)
+        return grouped_mm(rows.float(), w.float(), ends).to(rows.dtype)
+    if torch.compiler.is_compiling() and rows.dtype != torch.bfloat16:
+        return compilable_grouped_mm(rows, w, ends.to(torch.int32))
     return F.grouped_mm(rows, w, offs=ends.to(torch.int32))
+
+
+@torch.library.custom_op("moa::grouped_mm", mutates_args=())
+def compilable_grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """``F.grouped_mm(a, b, offs=offs)`` as an op of its own, for torch.compile: torch 2.13's shape function
+    of the grouped GEMM refuses every dtype but bfloat16, though the CPU's kernel multiplies float32 (and
+    float16), so a compiled float32 model would fail. Layouts: (R, K) @ (E, K, N) -> (R, N), and the weight
+    gradient's (K, R) @ (R, N) -> (E, K, N); the backward is made of the same op."""
+    return F.grouped_mm(a, b, offs=offs)
+
+
+@compilable_grouped_mm.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:
+        return a.new_empty(a.size(0), b.size(2))
+    return a.new_empty(offs.size(0), a.size(0), b.size(1))
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors  # forward layout (R, K) @ (E, K, N): the only one differentiated
+    grad_a = compilable_grouped_mm(grad, b.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+    grad_b = compilable_grouped_mm(a.t(), grad, offs) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+def _save_for_backward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+compilable_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_for_backward)
 
 
 def looped_mm(rows: Tensor, w: Tensor, ends: Tensor) -> Tensor:

@@ -49,7 +49,9 @@ def grouped_mm_flop(mat_a, mat_b, offs=None, *args, out_val=None, **kwargs) -> i
 
 def register() -> None:
     """Give torch's counter a formula for each op of this module's docstring that has none."""
-    formulas = {aten._grouped_mm: grouped_mm_flop}
+    import moa.experts  # noqa: F401  (defines moa::grouped_mm, the compilable grouped GEMM)
+
+    formulas = {aten._grouped_mm: grouped_mm_flop, torch.ops.moa.grouped_mm: grouped_mm_flop}
     fused = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if fused is not None:  # torch's formulas for the CUDA kernels, whose arguments start alike
         formulas[fused] = flop_registry[aten._scaled_dot_product_flash_attention]

@@ -96,15 +96,26 @@ class RoutedAttention(nn.Module):
             raise ValueError(f"query has {embed_dim} features, the module expects {self.embed_dim}")
         keys, values, key_padding_mask = self.cached_key_value(key, value, key_padding_mask, incremental_state,
                                                                static_kv, buffer)
-        x = query.reshape(tgt_len * bsz, embed_dim)
-        decoding = incremental_state is not None
-        routing, routed_queries = self.route(x, self.flat_query_padding(key_padding_mask, incremental_state,
-                                                                        tgt_len, bsz), aux=not decoding)
-        self.record(routing)
+        padding = self.flat_query_padding(key_padding_mask, incremental_state, tgt_len, bsz)
         bias = attention_bias(attn_mask, key_padding_mask, query.dtype)
-        y, weights = self.mix(x, routing, routed_queries, keys, values, bias, tgt_len, bsz,
-                              need_weights or need_head_weights, need_head_weights, decoding)
+        core = RoutedAttention.routed_attention if self.compiled is None else compiled_core(self.compiled)
+        y, weights, routing = core(self, query.reshape(tgt_len * bsz, embed_dim), padding, keys, values, bias, tgt_len,
+                                   bsz, need_weights or need_head_weights, need_head_weights, incremental_state is not None)
+        self.record(routing)
         return y.view(tgt_len, bsz, embed_dim), weights
+
+    compiled: Optional[str] = None  # a torch.compile backend the routed computation runs through, or None (eager)
+
+    def routed_attention(self, x: Tensor, padding: Optional[Tensor], keys: Tensor, values: Tensor,
+                         bias: Optional[Tensor], tgt_len: int, bsz: int, need_weights: bool, need_head_weights: bool,
+                         decoding: bool) -> Tuple[Tensor, Optional[Tensor], Routing]:
+        """The routed computation proper, route then mix, on tensors only (the cache and masks are the
+        caller's): what :func:`compile_routed_attention` compiles. x: (N, embed_dim) the queries, time-first;
+        padding: (N,) or None. Returns the (N, embed_dim) output, the weights asked for and the routing."""
+        routing, routed_queries = self.route(x, padding, aux=not decoding)
+        y, weights = self.mix(x, routing, routed_queries, keys, values, bias, tgt_len, bsz, need_weights,
+                              need_head_weights, decoding)
+        return y, weights, routing
 
     def set_beam_size(self, beam_size: int) -> None:
         """Beam search's beam, as fairseq's ``MultiheadAttention.set_beam_size`` (called through the
@@ -264,6 +275,39 @@ class RoutedAttention(nn.Module):
 
     def _set_input_buffer(self, incremental_state, buffer: Dict[str, Optional[Tensor]]):
         return self.set_incremental_state(incremental_state, ATTN_STATE, buffer)
+
+
+_COMPILED_CORES: Dict[str, object] = {}
+
+
+def compiled_core(backend: str):
+    """:meth:`RoutedAttention.routed_attention` through ``torch.compile(dynamic=True)`` with ``backend``, made
+    once: every routed module shares it, so modules of one configuration share their graphs, and any
+    sequence length, batch and routing runs the same graph (MoH's packed layout has static shapes there)."""
+    if backend not in _COMPILED_CORES:
+        _COMPILED_CORES[backend] = torch.compile(RoutedAttention.routed_attention, dynamic=True, backend=backend)
+    return _COMPILED_CORES[backend]
+
+
+COMPILED_GRAPHS_LIMIT = 64  # graphs of the one compiled function, which every routed module of a process shares
+
+
+def compile_routed_attention(model: nn.Module, backend: Optional[str] = "inductor") -> int:
+    """Run every routed attention module of ``model`` through torch.compile (``backend``; None: eager
+    again); the cache, masks and beam plumbing stay eager. Returns the number of modules.
+
+    The modules share one compiled function, with one graph per kind of call: each attention type
+    (with or without a mask), training or not, whole sequences or one decoding step, and dtype; about
+    ten for a translation model that trains, validates and decodes, whatever the lengths and routing.
+    torch's default of 8 graphs per function would run the rest eagerly, so dynamo's
+    ``recompile_limit`` is raised to COMPILED_GRAPHS_LIMIT."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPHS_LIMIT)
+    modules = [m for m in model.modules() if isinstance(m, RoutedAttention)]
+    for module in modules:
+        module.compiled = backend
+    return len(modules)
 
 
 def append_to_cache(saved: Dict[str, Optional[Tensor]], name: str, new: Tensor, time_dim: int) -> Tensor:

@@ -23,8 +23,8 @@ from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 
 from moa.moa_attention import MixtureOfAttentionHeads
-from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, layer_top_k, parse_attention_types,
-                                           parse_per_layer, routed_layer_config, routed_layer_counts,
+from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, add_compile_args, layer_top_k,
+                                           parse_attention_types, parse_per_layer, routed_layer_config, routed_layer_counts,
                                            small_translation_shape)
 from moa.routing import GATE_WEIGHTS, ROUTER_INITS
 
@@ -56,6 +56,7 @@ def add_moa_args(parser):
                              + " (default: all); the others are fairseq multi-head attention")
     parser.add_argument("--moa-attention-bias", action="store_true",
                         help="give the MoA projections biases (the paper's parameter counts have none)")
+    add_compile_args(parser)
 
 
 def check_moa_args(args) -> None:

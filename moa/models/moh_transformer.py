@@ -16,8 +16,8 @@ Archs:
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
 
-from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, layer_top_k, parse_attention_types,
-                                           parse_per_layer, routed_layer_config, routed_layer_counts,
+from moa.models.routed_transformer import (ATTENTION_TYPES, RoutedTransformerModel, add_compile_args, layer_top_k,
+                                           parse_attention_types, parse_per_layer, routed_layer_config, routed_layer_counts,
                                            small_translation_shape)
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routing import BALANCE_LOSSES, HEAD_GATE_SCALES, HEAD_ROUTERS, check_head_counts
@@ -44,6 +44,7 @@ def add_moh_args(parser):
     parser.add_argument("--moh-attention-types", type=str, metavar="LIST",
                         help="comma-separated attention types that use MoH, of " + ",".join(ATTENTION_TYPES)
                              + " (default: all); the others are fairseq multi-head attention")
+    add_compile_args(parser)
 
 
 def check_moh_args(args, heads: dict) -> None:

@@ -19,7 +19,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from torch import nn
 
 from moa.activation_checkpointing import checkpoint_routed_layer
-from moa.routed_attention import RoutedAttention
+from moa.routed_attention import RoutedAttention, compile_routed_attention
 from moa.routing import Routing
 
 ATTENTION_TYPES = ("encoder-self", "decoder-self", "decoder-cross")
@@ -55,6 +55,12 @@ def routed_layer_config(args, types: frozenset, build_attention: Callable,
     cfg = TransformerConfig.from_namespace(args)
     cfg.routed_types = types
     cfg.build_routed_attention = build_attention
+    if getattr(args, "compile_routed_attention", False):
+        def build_attention_compiled(*a, **kw):
+            module = build_attention(*a, **kw)
+            compile_routed_attention(module)
+            return module
+        cfg.build_routed_attention = build_attention_compiled
     cfg.top_k_per_layer = top_k_per_layer
     cfg.routed_layer = 0
     return cfg
@@ -108,6 +114,14 @@ def wrap_layer(layer, cfg):
     if checkpoint:
         layer = checkpoint_routed_layer(layer, offload_to_cpu=cfg.offload_activations)
     return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
+
+
+def add_compile_args(parser) -> None:
+    """The flag that runs the routed attention modules through torch.compile (training and decoding)."""
+    parser.add_argument("--compile-routed-attention", action="store_true",
+                        help="run every routed attention module's computation through torch.compile (inductor, "
+                             "dynamic shapes); fairseq-generate takes it as --model-overrides "
+                             "\"{'compile_routed_attention': True}\"")
 
 
 def add_activation_checkpointing_args(parser) -> None:
