@@ -1,6 +1,7 @@
 """Converged Multi30k En-De: every model trains until its validation loss stops improving, with one recipe.
 
     .venv/bin/python -m benchmarks.multi30k_converged --sweep            # choose the recipe on the Transformer
+    .venv/bin/python -m benchmarks.multi30k_converged --sweep --models moa   # the same sweep for MoA 4K8E64D
     .venv/bin/python -m benchmarks.multi30k_converged                    # the study: every model, seeds 1 and 2
     .venv/bin/python -m benchmarks.multi30k_converged --models transformer moa --seeds 1
     .venv/bin/python -m benchmarks.multi30k_converged --report           # tables and the picture from the rows
@@ -225,6 +226,26 @@ def reproduce(plan, args, data_dir, run):
     return written
 
 
+def sweep_row_from_study(study_path, sweep_path):
+    """The sweep's row for the study's own recipe, from the study's recorded seed-1 run: its first
+    SWEEP_EPOCHS epochs are that sweep run (the schedule does not depend on the cap), so it is not trained
+    twice. Nothing is written when the study has no such row."""
+    if not os.path.exists(study_path):
+        return
+    with open(study_path, encoding="utf-8") as f:
+        row = json.load(f)
+    valid = {e: v for e, v in row["valid_nll_by_epoch"].items() if int(e) <= SWEEP_EPOCHS}
+    best = min(valid, key=lambda e: (valid[e]["loss"], int(e)))
+    row.update(epoch_cap=SWEEP_EPOCHS, epochs=max(int(e) for e in valid), updates=valid[max(valid, key=int)]["updates"],
+               best_epoch=int(best), best_updates=valid[best]["updates"], best_valid_loss=valid[best]["loss"],
+               best_valid_nll=valid[best]["nll"], valid_nll_by_epoch=valid, stopped_by="epoch cap",
+               taken_from=os.path.relpath(study_path, ROOT))
+    for key in ("averaged", "best", "train_wall_s", "elapsed_s", "train_words_per_s", "macs_per_target_token",
+                "macs_run", "segments"):
+        row.pop(key, None)  # figures of the whole run, not of its first epochs
+    write_atomically(sweep_path, json.dumps(row, indent=1) + "\n")
+
+
 def recount_macs(out, data_dir, run):
     """Count every recorded row's MACs per target token again, from a model built from its flags (the count
     does not depend on the trained weights, but for MoH's attention over its packed queries, a little), as
@@ -257,9 +278,11 @@ def commit(path, message):
 def _main(argv):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.multi30k_converged", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="train the Transformer with every recipe of the sweep")
+    parser.add_argument("--sweep", action="store_true",
+                        help="train --models (default the Transformer), seed 1, with every recipe of the sweep")
     parser.add_argument("--report", action="store_true", help="train nothing: write the tables and the picture")
-    parser.add_argument("--models", nargs="+", default=REQUIRED_MODELS, choices=list(models()))
+    parser.add_argument("--models", nargs="+", choices=list(models()),
+                        help=f"default: {' '.join(REQUIRED_MODELS)}; with --sweep, transformer")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--moa-config", default=DEFAULT_MOA, metavar="kKeEdD",
                         help="MoA experts of the moa and moa-self models (default 4K8E64D)")
@@ -296,9 +319,14 @@ def _main(argv):
         recount_macs(args.out, data_dir, run)
         return
     if args.sweep:
-        plan = [("transformer", 1, name, SWEEP_EPOCHS, os.path.join(args.out, "sweep", f"{name}.json"), False)
-                for name in SWEEP]
+        plan = [(model_id, 1, name, SWEEP_EPOCHS,
+                 os.path.join(args.out, "sweep", run_name(model_id, args.moa_config, 1, name) + ".json"), False)
+                for model_id in args.models or ["transformer"] for name in SWEEP]
+        for model_id, _, name, _, row_path, _ in plan:
+            if name == RECIPE and not os.path.exists(row_path):
+                sweep_row_from_study(os.path.join(args.out, "runs", os.path.basename(row_path)), row_path)
     else:
+        args.models = args.models or REQUIRED_MODELS
         plan = [(model_id, seed, recipe, EPOCHS,
                  os.path.join(args.out, "runs", run_name(model_id, args.moa_config, seed, recipe) + ".json"), True)
                 for seed in args.seeds for model_id in args.models]

@@ -15,7 +15,7 @@ import os
 import statistics
 
 from benchmarks.common import provenance, provenance_line, write_atomically
-from benchmarks.multi30k_converged import SWEEP
+from benchmarks.multi30k_converged import RECIPE, SWEEP
 
 NLL_TIE = 0.02  # bits of validation NLL: a smaller mean difference is a tie, not a finding
 # (question, model id, MoA configuration or None, the model it is compared with, of the same seed and recipe)
@@ -149,8 +149,18 @@ def write_report(out):
     made_by = provenance_line(provenance("multi30k_converged", ["--report"]))  # before the pictures change the tree
     sweep, runs = rows_in(os.path.join(out, "sweep")), rows_in(os.path.join(out, "runs"))
     runs.sort(key=lambda r: (r["seed"], r["model_id"] != "transformer", r["model_id"], r["moa_config"] or ""))
-    lines = ["# Converged Multi30k En-De", "", "## The recipe sweep (Transformer, seed 1, validation only)", "",
-             *sweep_table(sweep), "", "## Every run", "",
+    lines = ["# Converged Multi30k En-De", ""]
+    for model in dict.fromkeys(r["model"] for r in sorted(sweep, key=lambda r: r["model_id"] != "transformer")):
+        rows = [r for r in sweep if r["model"] == model]
+        lines += [f"## The recipe sweep: {model}, seed 1, validation only", "", *sweep_table(rows), ""]
+        chosen = [r for r in rows if r["recipe"] == RECIPE]
+        if chosen and len(rows) == len(SWEEP):
+            low = min(rows, key=lambda r: r["best_valid_nll"])
+            margin = chosen[0]["best_valid_nll"] - low["best_valid_nll"]
+            lines += [f"The study's recipe ({RECIPE}) is {margin:.3f} bits above this model's lowest "
+                      f"({low['recipe']}): {'a different recipe wins' if margin > NLL_TIE else 'a tie'} "
+                      f"(the bar: {NLL_TIE} bits).", ""]
+    lines += ["## Every run", "",
              "Test: test_2016_flickr, beam 4, length penalty 0.6; *average*: the last epoch checkpoints averaged; "
              "*best*: checkpoint_best (lowest validation loss). MACs: forward, per target token, counted with the "
              "experts' grouped GEMM and the fused attention (moa.flops). Valid NLL in bits.",
@@ -172,8 +182,8 @@ def write_report(out):
         picture(runs, os.path.join(out, "valid-nll.png"), "Multi30k En-De, validation NLL at each epoch's end",
                 lambda r: r["model"])
     if sweep:
-        picture(sweep, os.path.join(out, "sweep-valid-nll.png"), "The recipe sweep: the Transformer, seed 1",
-                lambda r: r["recipe"])
+        picture(sweep, os.path.join(out, "sweep-valid-nll.png"), "The recipe sweeps, seed 1",
+                lambda r: f"{r['model']}, {r['recipe']}")
     made = sorted({(run["command"], run["commit"], run["torch"], run["machine"])
                    for r in sweep + runs + reproduced for run in (r["run"], r.get("macs_run")) if run})
     lines += ["", "The rows were trained (and their MACs counted) by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]

@@ -113,3 +113,21 @@ def test_a_reproduction_resumes_its_own_folders_refuses_others_and_records_each_
     with pytest.raises(ToolError, match="0.020 bits"):
         study.reproduce(plan, args, "data", {})
     assert not json.loads(open(path).read())["within_tolerance"]  # the record says so before the error
+
+
+def test_the_sweep_row_of_the_study_recipe_is_the_study_runs_first_epochs(tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "SWEEP_EPOCHS", 2)
+    by_epoch = {"1": {"updates": 255, "loss": 5.0, "nll": 4.0}, "2": {"updates": 510, "loss": 4.5, "nll": 3.6},
+                "3": {"updates": 765, "loss": 4.0, "nll": 3.1}}
+    recorded = tmp_path / "runs" / "moa-4K8E64D-seed1-r.json"
+    recorded.parent.mkdir()
+    recorded.write_text(json.dumps({"model_id": "moa", "epoch_cap": 20, "epochs": 3, "stopped_by": "epoch cap",
+                                    "valid_nll_by_epoch": by_epoch, "averaged": {}, "train_words_per_s": 1.0}))
+    swept = tmp_path / "sweep" / "moa-4K8E64D-seed1-r.json"
+    study.sweep_row_from_study(str(recorded), str(swept))
+    row = json.loads(swept.read_text())
+    assert (row["epochs"], row["best_epoch"], row["best_valid_nll"], row["updates"]) == (2, 2, 3.6, 510)
+    assert sorted(row["valid_nll_by_epoch"]) == ["1", "2"] and "averaged" not in row
+    assert study.finished_row(str(swept), 2)  # the sweep skips it
+    study.sweep_row_from_study(str(tmp_path / "runs" / "absent.json"), str(tmp_path / "sweep" / "absent.json"))
+    assert not (tmp_path / "sweep" / "absent.json").exists()
