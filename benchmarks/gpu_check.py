@@ -12,12 +12,24 @@
 * ``table``: one MoA module's forward and backward in bfloat16 at --tokens tokens (d_model 512), for
   8K8E128D and 16K32E256D: the expert projections as a loop over the experts, as torch's grouped GEMM,
   and dense multi-query attention of the same active width (k heads of D sharing one K/V head: MoA's
-  active multiply-adds without routing), medians of interleaved rounds.
+  active multiply-adds without routing), eager and compiled (torch.compile; MoA through
+  ``compile_routed_attention``), medians of interleaved rounds.
+* ``profile``: torch.profiler over forward and backward of the 16K32E256D module and its dense twin:
+  the device time of each kind of op (grouped GEMMs, attention, dense matmuls of the router and the
+  shared K/V, top-k and sorting, gathers, scatters, copies and fills, the plan's arithmetic, the rest)
+  and the kernels launched per step; the whole operator table beside the JSON (profile-*.txt).
+* ``models``: whole models on the demo corpus (moa_tools.number_phrases, no download), side by side in
+  one call: ``fairseq-train --bf16`` words/s of moa_base and moh_base against transformer_wmt_en_de and
+  of moa_big against transformer_vaswani_wmt_en_de_big at the same --max-tokens, and
+  ``fairseq-generate --bf16`` beam 4 sentences/s with every hypothesis forced to the same length; each
+  time ratio beside its MACs ratio (forward MACs per target token, counted with moa.flops).
 """
 
 import argparse
+import copy
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -34,6 +46,7 @@ from moa import experts
 from moa.experts import grouped_mm, looped_mm
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
+from moa.routed_attention import compile_routed_attention
 
 CONFIGS = {"8K8E128D": (8, 8, 128), "16K32E256D": (32, 16, 256)}
 D_MODEL = 512
@@ -81,8 +94,14 @@ def table(device, tokens, rounds, seq=512):
                                              router_init="normal").to(device, torch.bfloat16).train()
         moa_module.path = "routed"
         dense = MultiQueryAttention(D_MODEL, top_k, head_dim).to(device, torch.bfloat16)
+        compiled_moa, compiled_dense = copy.deepcopy(moa_module), copy.deepcopy(dense)
+        compile_routed_attention(compiled_moa)
+        compiled_dense.compile()
         x = torch.randn(seq, bsz, D_MODEL, device=device, dtype=torch.bfloat16, requires_grad=True)
-        jobs = {"loop": (moa_module, looped_mm), "grouped": (moa_module, grouped_mm), "dense": (dense, grouped_mm)}
+        jobs = {"loop": (moa_module, looped_mm), "grouped": (moa_module, grouped_mm), "dense": (dense, grouped_mm),
+                "grouped_compiled": (compiled_moa, grouped_mm), "dense_compiled": (compiled_dense, grouped_mm)}
+        for module, _ in jobs.values():  # compile (and warm up) before any round is timed
+            module_step(module, x)
         times = {job: [] for job in jobs}
         for round_ in range(rounds + 1):
             for job, (module, gemm) in jobs.items():
@@ -96,9 +115,84 @@ def table(device, tokens, rounds, seq=512):
         experts.grouped_mm = grouped_mm
         ms = {job: 1e3 * statistics.median(t) for job, t in times.items()}
         row = {"config": name, "tokens": bsz * seq, "device": device.type, "dtype": "bfloat16",
-               "loop_ms": ms["loop"], "grouped_ms": ms["grouped"], "dense_ms": ms["dense"],
+               **{f"{job}_ms": value for job, value in ms.items()},
                "grouped_speedup_over_loop": statistics.median(a / b for a, b in zip(times["loop"], times["grouped"])),
-               "grouped_over_dense": statistics.median(a / b for a, b in zip(times["grouped"], times["dense"]))}
+               "grouped_over_dense": statistics.median(a / b for a, b in zip(times["grouped"], times["dense"])),
+               "compiled_grouped_over_compiled_dense": statistics.median(
+                   a / b for a, b in zip(times["grouped_compiled"], times["dense_compiled"]))}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+# (kind, predicate on an operator's name): an operator counts under the first kind whose predicate holds
+OP_KINDS = [
+    ("grouped GEMM", lambda n: "grouped_mm" in n),
+    ("attention", lambda n: "attention" in n),
+    ("dense matmuls (router, shared K/V, the dense twin)", lambda n: n in ("aten::mm", "aten::addmm", "aten::bmm")),
+    ("top-k and sorting", lambda n: n in ("aten::topk", "aten::sort", "aten::argsort")),
+    ("gathers", lambda n: n in ("aten::index_select", "aten::gather", "aten::index", "aten::embedding")),
+    ("scatters", lambda n: n in ("aten::index_add_", "aten::index_copy_", "aten::index_copy", "aten::scatter",
+                                 "aten::scatter_", "aten::scatter_add_", "aten::index_put_", "aten::_index_put_impl_")),
+    ("copies and fills (padding, layouts)", lambda n: n in ("aten::copy_", "aten::fill_", "aten::zero_", "aten::cat",
+                                                            "aten::clone")),
+    ("plan arithmetic (counts, offsets)", lambda n: n in ("aten::cumsum", "aten::repeat_interleave", "aten::arange",
+                                                          "aten::floor_divide", "aten::remainder", "aten::bincount")),
+    ("the rest (softmax, elementwise)", lambda n: n.startswith("aten::")),
+]
+
+
+def op_kind(event):
+    """The kind of OP_KINDS a profiled operator's own time counts under: that of its nearest enclosing
+    grouped GEMM or attention operator (whose kernels a CPU runs as smaller operators), else its own."""
+    kind, parent = None, event
+    while parent is not None:
+        own = next((k for k, match in OP_KINDS if match(parent.name)), None)
+        if own in ("grouped GEMM", "attention"):
+            return own
+        kind = kind or own
+        parent = parent.cpu_parent
+    return kind
+
+
+def profile_table(device, tokens, out_dir, seq=512, steps=3):
+    """Device time by kind of operator and kernels launched, per forward and backward step, of the
+    16K32E256D module (grouped projections) and its dense multi-query twin; the whole operator tables go
+    to ``out_dir``/profile-*.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    num_experts, top_k, head_dim = CONFIGS["16K32E256D"]
+    torch.manual_seed(0)
+    moa_module = MixtureOfAttentionHeads(D_MODEL, num_experts, top_k, head_dim, self_attention=True,
+                                         router_init="normal").to(device, torch.bfloat16).train()
+    moa_module.path = "routed"
+    modules = {"MoA 16K32E256D": moa_module,
+               "dense multi-query twin": MultiQueryAttention(D_MODEL, top_k, head_dim).to(device, torch.bfloat16)}
+    x = torch.randn(seq, max(tokens // seq, 1), D_MODEL, device=device, dtype=torch.bfloat16, requires_grad=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    rows = []
+    for name, module in modules.items():
+        module_step(module, x)  # warm up
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                module_step(module, x)
+            synchronize(device)
+        averages = prof.key_averages()
+        table = averages.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                               row_limit=60)
+        write_atomically(os.path.join(out_dir, f"profile-{name.split()[1] if name.startswith('MoA') else 'dense'}.txt"),
+                         table + "\n")
+        kinds = {kind: 0.0 for kind, _ in OP_KINDS}
+        for event in prof.events():
+            kind = op_kind(event)
+            if kind is not None:
+                time_us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+                kinds[kind] += time_us / steps / 1e3
+        launches = (sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) if
+                    device.type == "cuda" else sum(e.count for e in averages if e.key.startswith("aten::")))
+        row = {"module": name, "tokens": x.size(0) * x.size(1), "ms_by_kind": kinds, "ms": sum(kinds.values()),
+               "launches_per_step": launches / steps, "launches_are": "kernels" if device.type == "cuda" else "aten ops"}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -176,6 +270,67 @@ def count_syncs(device, run, strict):
     return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
 
 
+# (routed arch, the Transformer arch it is compared with): --max-tokens is the same for every model
+MODEL_PAIRS = [("moa_base", "transformer_wmt_en_de"), ("moh_base", "transformer_wmt_en_de"),
+               ("moa_big", "transformer_vaswani_wmt_en_de_big")]
+
+
+def whole_models(device, quick, work):
+    """fairseq-train --bf16 words/s and fairseq-generate --bf16 beam-4 sentences/s of each arch of
+    MODEL_PAIRS on the demo corpus, in one call; each time ratio to its Transformer beside the MACs ratio."""
+    from fairseq.data import Dictionary
+
+    from moa.models.build import build_translation_model
+    from moa_tools import USER_DIR, fairseq_command, run_logged
+    from moa_tools.commands.demo import write_corpus
+
+    raw, data_bin = os.path.join(work, "raw"), os.path.join(work, "data-bin")
+    write_corpus(raw, {"train": 2000 if quick else 40000, "valid": 50, "test": 64 if quick else 512}, seed=1)
+    run_logged([fairseq_command("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
+                "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test",
+                "--destdir", data_bin, "--joined-dictionary", "--workers", "4"])
+    dictionary = Dictionary.load(os.path.join(data_bin, "dict.en.txt"))
+    updates, length = (4, 8) if quick else (100, 24)
+    cpu = [] if device.type == "cuda" else ["--cpu"]
+    archs = list(dict.fromkeys(a for pair in MODEL_PAIRS for a in pair))
+    measured = {}
+    for arch in archs:
+        save = os.path.join(work, arch)
+        criterion = "label_smoothed_cross_entropy" if arch.startswith("transformer") else "moa_label_smoothed_cross_entropy"
+        log = run_logged([fairseq_command("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", arch,
+                          "--share-all-embeddings", "--criterion", criterion, "--label-smoothing", "0.1",
+                          "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4", "--lr-scheduler",
+                          "inverse_sqrt", "--warmup-updates", "50", "--max-tokens", "1024" if quick else "8192",
+                          "--bf16", "--max-update", str(updates), "--log-format", "simple", "--log-interval",
+                          "2" if quick else "25", "--disable-validation", "--no-epoch-checkpoints",
+                          "--no-save-optimizer-state", "--num-workers", "0", "--save-dir", save, *cpu],
+                         os.path.join(work, f"train-{arch}.log"))
+        wps = [float(w) for w in re.findall(r"\| train_inner \|.* wps=([\d.]+)", log)][1:]  # the first: warm-up
+        gen = run_logged([fairseq_command("fairseq-generate"), data_bin, "--user-dir", USER_DIR, "--path",
+                          os.path.join(save, "checkpoint_last.pt"), "--gen-subset", "test", "--beam", "4",
+                          "--batch-size", "128", "--min-len", str(length), "--max-len-a", "0", "--max-len-b",
+                          str(length), "--bf16", "--quiet", "--num-workers", "0", *cpu],
+                         os.path.join(work, f"generate-{arch}.log"))
+        sentences_per_s = float(re.search(r"Translated [\d,]+ sentences .* \(([\d.]+) sentences/s", gen).group(1))
+        torch.manual_seed(0)
+        model = build_translation_model(arch, dictionary).eval()
+        tokens = torch.randint(4, len(dictionary), (1, length))
+        with torch.no_grad(), torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            model(tokens, torch.tensor([length]), tokens)
+        measured[arch] = {"train_words_per_s": statistics.median(wps) if wps else float("nan"),
+                          "generate_sentences_per_s": sentences_per_s,
+                          "macs_per_target_token": counter.get_total_flops() / 2 / length}
+        print(json.dumps({"arch": arch, **measured[arch]}), flush=True)
+    rows = []
+    for routed, transformer in MODEL_PAIRS:
+        m, t = measured[routed], measured[transformer]
+        rows.append({"arch": routed, "against": transformer, **m,
+                     "train_time_ratio": t["train_words_per_s"] / m["train_words_per_s"],
+                     "generate_time_ratio": t["generate_sentences_per_s"] / m["generate_sentences_per_s"],
+                     "macs_ratio": m["macs_per_target_token"] / t["macs_per_target_token"]})
+    return rows
+
+
 def markdown(report):
     lines = [f"# The GPU check ({report['device']})", "", "## Synchronisations of one training step", "",
              "| step | synchronisations | where |", "|---|---|---|"]
@@ -183,10 +338,29 @@ def markdown(report):
         lines.append(f"| {r['step']} | {r['syncs']} | {'; '.join(r['where']) or '-'} |")
     lines += ["", "## One MoA module, forward and backward in bfloat16", "",
               "| config | tokens | loop ms | grouped ms | dense MQA ms | grouped speed-up over the loop | "
-              "grouped / dense |", "|---|---|---|---|---|---|---|"]
+              "grouped / dense | compiled: grouped ms | dense ms | grouped / dense |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["table"]:
         lines.append(f"| {r['config']} | {r['tokens']:,} | {r['loop_ms']:.2f} | {r['grouped_ms']:.2f} | "
-                     f"{r['dense_ms']:.2f} | {r['grouped_speedup_over_loop']:.2f}x | {r['grouped_over_dense']:.2f}x |")
+                     f"{r['dense_ms']:.2f} | {r['grouped_speedup_over_loop']:.2f}x | {r['grouped_over_dense']:.2f}x | "
+                     f"{r['grouped_compiled_ms']:.2f} | {r['dense_compiled_ms']:.2f} | "
+                     f"{r['compiled_grouped_over_compiled_dense']:.2f}x |")
+    if report.get("profile"):
+        kinds = list(report["profile"][0]["ms_by_kind"])
+        lines += ["", "## Where a forward and backward step's time goes (torch.profiler, ms per step)", "",
+                  "| module | " + " | ".join(kinds) + " | total | launches per step |",
+                  "|---|" + "---|" * (len(kinds) + 2)]
+        for r in report["profile"]:
+            lines.append(f"| {r['module']} | " + " | ".join(f"{r['ms_by_kind'][k]:.2f}" for k in kinds) +
+                         f" | {r['ms']:.2f} | {r['launches_per_step']:.0f} {r['launches_are']} |")
+    if report.get("models"):
+        lines += ["", "## Whole models, bfloat16, the demo corpus", "",
+                  "| arch | against | train words/s | train time ratio | generate sentences/s | generate time ratio "
+                  "| MACs ratio |", "|---|---|---|---|---|---|---|"]
+        for r in report["models"]:
+            lines.append(f"| {r['arch']} | {r['against']} | {r['train_words_per_s']:,.0f} | "
+                         f"{r['train_time_ratio']:.2f}x | {r['generate_sentences_per_s']:.1f} | "
+                         f"{r['generate_time_ratio']:.2f}x | {r['macs_ratio']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -196,7 +370,9 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="1,024 tokens, two rounds: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="1,024 tokens, two rounds, whole models for a few "
+                                                             "updates on a small corpus: a smoke run")
+    parser.add_argument("--skip-models", action="store_true", help="leave out the whole models")
     parser.add_argument("--out", help="JSON path (a .md beside it); default benchmarks/results/gpu/gpu-check.json on a "
                                       "GPU, a temporary folder on the CPU")
     args = parser.parse_args(argv)
@@ -210,6 +386,10 @@ def main(argv=None):
               else "CPU (host reads counted in place of synchronisations)"}
     report["syncs"] = syncs(device)
     report["table"] = table(device, tokens, rounds)
+    report["profile"] = profile_table(device, tokens, os.path.dirname(os.path.abspath(out)))
+    if not args.skip_models:
+        with tempfile.TemporaryDirectory(prefix="moa-gpu-models-") as work:
+            report["models"] = whole_models(device, args.quick, work)
     text = markdown(report) + "\n\n" + provenance_line(report["run"])
     print("\n" + text)
     write_atomically(out, json.dumps(report, indent=1))

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command, on a machine as it is (about 5 minutes on one GPU; --quick under 2):
-#   bash benchmarks/gpu_check.sh [--quick] [--out DIR] [--kit DIR]
+#   bash benchmarks/gpu_check.sh [--quick] [--no-tests] [--out DIR] [--kit DIR]
 # --quick: tests/gpu without its slow (CLI) tests, and the table at 1,024 tokens: a first pass that finds
-# a broken setup in seconds.
+# a broken setup in seconds. --no-tests: the measurements alone (about 7 minutes on one GPU, whole models
+# included).
 # 1. tests/gpu: CUDA equals CPU (forward, backward, decoding), the grouped expert projections equal the
 #    loop, a MoA training step without synchronisation, bf16 and fp16 training and generation via the CLIs;
 # 2. benchmarks.gpu_check: the synchronisations of one training step and the bf16 table of MoA modules at
@@ -24,9 +25,10 @@ kit_wheels=.device-kit
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) quick=(--quick); tests="not slow"; shift ;;
+        --no-tests) tests=; shift ;;
         --out) out=${2:?--out needs a folder}; shift 2 ;;
         --kit) kit_wheels=${2:?--kit needs a folder}; shift 2 ;;
-        *) echo "usage: bash benchmarks/gpu_check.sh [--quick] [--out DIR] [--kit DIR]" >&2; exit 2 ;;
+        *) echo "usage: bash benchmarks/gpu_check.sh [--quick] [--no-tests] [--out DIR] [--kit DIR]" >&2; exit 2 ;;
     esac
 done
 python=${PYTHON:-}
@@ -63,7 +65,7 @@ exec > >(tee "$out/check.log") 2>&1
 cat "$out/environment.txt"
 started=$SECONDS
 tests_rc=0
-"$python" -m pytest -q -p no:cacheprovider -m "$tests" tests/gpu || tests_rc=$?
+if [ -n "$tests" ]; then "$python" -m pytest -q -p no:cacheprovider -m "$tests" tests/gpu || tests_rc=$?; fi
 echo "tests/gpu: $((SECONDS - started)) s"
 started=$SECONDS
 "$python" -m benchmarks.gpu_check --device "$device" "${quick[@]}" --out "$out/gpu-check.json"
