@@ -189,8 +189,8 @@ def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tm
 @pytest.mark.slow
 def test_the_gpu_check_runs_its_cpu_part(tmp_path):
     """Without CUDA, benchmarks/gpu_check.sh skips tests/gpu and runs its measurements on the CPU: no host
-    read in the MoA modules' steps on the grouped projections, one per MoH module, and the table; all of
-    it in one folder of four files."""
+    read in the MoA modules' steps on the grouped projections, one per MoH module, the table eager and
+    compiled, the profile and the whole models; all of it in one folder."""
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--quick", "--out", str(tmp_path / "check")],
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -198,11 +198,22 @@ def test_the_gpu_check_runs_its_cpu_part(tmp_path):
     assert "No CUDA device" in proc.stderr and "skipped" in out
     assert re.search(r"^\| MoA 16K32E256D module, grouped projections \| 0 \| - \|$", out, re.M)
     assert re.search(r"^\| MoH module, 4 shared \+ top-2 of 4, packed \| 1 \| item at .*dispatch.py", out, re.M)
-    for config in ("8K8E128D", "16K32E256D"):
-        assert re.search(rf"^\| {config} \| 1,024 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+x \|$", out, re.M)
+    for config in ("8K8E128D", "16K32E256D"):  # eager and compiled
+        assert re.search(rf"^\| {config} \| 1,024 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+x \| "
+                         rf"[\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.M)
     report = json.loads(open(re.search(r"written: (\S+)", out).group(1)).read())
     assert report["device"].startswith("CPU") and len(report["table"]) == 2
-    assert sorted(os.listdir(tmp_path / "check")) == ["check.log", "environment.txt", "gpu-check.json", "gpu-check.md"]
+    moa, dense = report["profile"]
+    assert moa["ms_by_kind"]["grouped GEMM"] > 0 and moa["ms_by_kind"]["scatters"] > 0
+    assert dense["ms_by_kind"]["grouped GEMM"] == 0 and dense["ms_by_kind"]["attention"] > 0
+    assert [(r["arch"], r["against"]) for r in report["models"]] == [
+        ("moa_base", "transformer_wmt_en_de"), ("moh_base", "transformer_wmt_en_de"),
+        ("moa_big", "transformer_vaswani_wmt_en_de_big")]
+    for r in report["models"]:  # each ratio is measured, and moa_big (16 of 32 experts of 256) is the cheaper
+        assert r["train_words_per_s"] > 0 and r["generate_sentences_per_s"] > 0
+    assert report["models"][2]["macs_ratio"] < 1
+    assert sorted(os.listdir(tmp_path / "check")) == ["check.log", "environment.txt", "gpu-check.json", "gpu-check.md",
+                                                      "profile-16K32E256D.txt", "profile-dense.txt"]
     assert "| MoA 16K32E256D module, grouped projections | 0 | - |" in (tmp_path / "check" / "check.log").read_text()
     assert f"torch {torch.__version__}" in (tmp_path / "check" / "environment.txt").read_text()
     bad = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--fast"], capture_output=True, text=True, cwd=ROOT)
