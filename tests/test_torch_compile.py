@@ -23,34 +23,34 @@ SHAPE = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def tiny(arch, dtype):
+def tiny(arch, dtype, device):
     torch.manual_seed(0)
-    return build_model(arch, 40, SHAPE + FLAGS[arch]).to(dtype)
+    return build_model(arch, 40, SHAPE + FLAGS[arch]).to(device, dtype)
 
 
 def graphs():
     return counters["stats"]["unique_graphs"]
 
 
-def compiled_against_eager(arch, dtype, backend, lengths):
+def compiled_against_eager(arch, dtype, backend, lengths, device="cpu"):
     """Train one step and beam-search a batch at each source length, compiled and eager side by side; returns
-    the graphs made after each length."""
+    the graphs made after each length (also run on CUDA by tests/gpu)."""
     torch._dynamo.reset()
     counters.clear()
-    eager, compiled = tiny(arch, dtype), tiny(arch, dtype)
+    eager, compiled = tiny(arch, dtype, device), tiny(arch, dtype, device)
     assert compile_routed_attention(compiled, backend) == 6  # 2 encoder layers, 2 decoder layers with two each
     made = []
     for length in lengths:
         torch.manual_seed(length)
-        src = torch.randint(4, 40, (3, length))
-        src_lengths = torch.full((3,), length)
-        prev = torch.randint(4, 40, (3, length + 1))
+        src = torch.randint(4, 40, (3, length), device=device)
+        src_lengths = torch.full((3,), length, device=device)
+        prev = torch.randint(4, 40, (3, length + 1), device=device)
         results = []
         for model in (eager, compiled):
             model.train()
             model.zero_grad()
             out = model(src, src_lengths, prev)[0]
-            (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            (out.float() * torch.linspace(-1, 1, out.numel(), device=device).view_as(out)).sum().backward()
             grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
             model.eval()
             generator = SequenceGenerator([model], model.decoder.dictionary, beam_size=2, max_len_b=length, min_len=2)

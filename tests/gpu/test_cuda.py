@@ -11,6 +11,8 @@
 * the expert projections by torch's grouped GEMM (what CUDA takes in bfloat16) equal the loop, and a
   MoA module's training step on them runs under ``torch.cuda.set_sync_debug_mode("error")``: no
   synchronisation at all;
+* torch.compile of the routed modules (compile_routed_attention, inductor) trains and beam-searches as
+  eager, in float32 and bfloat16, with graphs that stop growing (tests/test_torch_compile.py's check);
 * fairseq-train with ``--fp16`` and with ``--bf16`` (which the plugin runs without torch_xla) trains MoA
   and MoH for a few updates to a finite loss, and fairseq-generate translates every test sentence with
   the half-precision model (slow).
@@ -144,3 +146,12 @@ def test_half_precision_training_and_generation(arch, precision, tmp_path):
                        "--gen-subset", "test", precision, "--beam", "4", "--batch-size", "6",
                        "--required-batch-size-multiple", "1")  # else fairseq drops the tail batch
     assert "Translated 12 sentences" in generate.stdout + generate.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["moa_small", "moh_small"])
+def test_compiled_routed_modules_train_and_beam_search_as_eager_on_cuda(arch, dtype):
+    from test_torch_compile import compiled_against_eager
+
+    made = compiled_against_eager(arch, dtype, "inductor", lengths=(5, 8, 6, 7), device="cuda")
+    assert made[3] == made[2], made
