@@ -85,8 +85,9 @@ def translation(args, work):
         data_dir = mt.prepare(pair, work, mt.make_mirror(work, args.smoke), args.smoke)
         budget = ["--stop-time-hours", str(args.minutes / 60), "--max-epoch", "1000"] if not args.smoke else \
             ["--max-update", "20"]
-        row = mt.train_and_score("original", TRANSFORMER[:2] + TRANSFORMER[-2:], pair, 1, data_dir, work,
-                                 budget + ["--max-tokens", "2048", "--warmup-updates", "200"])
+        row = mt.train_and_score("original", None, "Transformer 4x64 (the original)", TRANSFORMER[:2] + TRANSFORMER[-2:],
+                                 pair, 1, data_dir, work, budget + ["--max-tokens", "2048", "--warmup-updates", "200"],
+                                 provenance("convert_moh"))
         original = os.path.join(work, pair, "seed1", "original", "checkpoint_best.pt")
         print(json.dumps(row), flush=True)
     runs = []  # (label, shared, top_k, router, converted checkpoint or None, model flags)

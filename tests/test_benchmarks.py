@@ -68,6 +68,22 @@ def test_quick_benchmark_reports_every_module(tmp_path):
 
 @pytest.mark.slow
 @needs_multi30k
+def test_convert_moh_benchmark_trains_its_own_original_and_converts_it(tmp_path):
+    """The default path (no --original): it trains the Transformer it converts, then converts it at 75% and 50%
+    with each router and continues every model (translation only, --smoke's budgets)."""
+    out = tmp_path / "result"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.convert_moh", "--smoke", "--tasks", "translation",
+                           "--workdir", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "result.json").read_text())
+    assert report["original"].endswith(os.path.join("seed1", "original", "checkpoint_best.pt"))
+    assert len(report["translation"]) == 5  # the original continued, and 2 fractions x 2 routers
+    assert all(0 <= r["sacrebleu_after"] <= 100 and min(r["decode_s"]) > 0 for r in report["translation"])
+
+
+@pytest.mark.slow
+@needs_multi30k
 def test_multi30k_translation_benchmark_smoke(tmp_path):
     out = tmp_path / "result"
     # a checkpoint left by an earlier run must not be resumed (fairseq would fail on this one)
