@@ -157,9 +157,9 @@ def write_report(out):
         if chosen and len(rows) == len(SWEEP):
             low = min(rows, key=lambda r: r["best_valid_nll"])
             margin = chosen[0]["best_valid_nll"] - low["best_valid_nll"]
-            lines += [f"The study's recipe ({RECIPE}) is {margin:.3f} bits above this model's lowest "
-                      f"({low['recipe']}): {'a different recipe wins' if margin > NLL_TIE else 'a tie'} "
-                      f"(the bar: {NLL_TIE} bits).", ""]
+            lines += [f"The study's recipe ({RECIPE}) is this model's lowest.", ""] if low is chosen[0] else \
+                [f"The study's recipe ({RECIPE}) is {margin:.3f} bits above this model's lowest ({low['recipe']}): "
+                 f"{'another recipe wins' if margin > NLL_TIE else 'a tie'} (the bar: {NLL_TIE} bits).", ""]
     lines += ["## Every run", "",
              "Test: test_2016_flickr, beam 4, length penalty 0.6; *average*: the last epoch checkpoints averaged; "
              "*best*: checkpoint_best (lowest validation loss). MACs: forward, per target token, counted with the "
