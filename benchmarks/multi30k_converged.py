@@ -24,7 +24,7 @@ first SWEEP_EPOCHS epochs of the study's Transformer seed-1 run, which continues
 
 Runs survive the session: each run keeps its checkpoints in --workdir, an interrupted run resumes from
 them (fairseq's checkpoint_last, resumed exactly, patience included), and a run whose row is recorded
-is skipped. Each finished run writes its row to benchmarks/results/multi30k-converged/runs/ (sweep runs
+is skipped. Each finished run writes its row to benchmarks/multi30k/results/converged/runs/ (sweep runs
 to sweep/), with the command, commit and versions, and ``--commit`` commits it at once. Keep the
 machine otherwise idle while a run trains: its words/s and wall time are recorded.
 """
@@ -60,7 +60,7 @@ SWEEP = {
 }
 RECIPE = "lr2e-3-warmup1000-tokens2048"  # the sweep's lowest validation NLL (its rows: OUT/sweep/)
 REQUIRED_MODELS = ["transformer", "moa", "moh"]
-OUT = os.path.join(RESULTS, "multi30k-converged")
+OUT = os.path.join(ROOT, "benchmarks", "multi30k", "results", "converged")
 
 
 def recipe_flags(name):
