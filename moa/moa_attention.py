@@ -86,7 +86,7 @@ class MixtureOfAttentionHeads(RoutedAttention):
         projects one token per hypothesis, so that each expert's group holds N k / E rows (64 at beam 4 x
         32 sentences, 4 of 8 experts): GEMMs that small run far below the speed of one (N, d_model) x
         (d_model, E D) product, which does E / k times the multiply-adds in less time
-        (docs/speed-and-memory.md). ``self.path`` ("routed" or "dense") pins one."""
+        (docs/how-it-works.md, "Paths chosen by the shape of the work"). ``self.path`` ("routed" or "dense") pins one."""
         args = (x, routing, keys, values, bias, tgt_len, bsz, need_weights, need_head_weights)
         dense = self.path == "dense" or (self.path is None and (self.top_k == self.num_experts or decoding))
         return self._mix_dense(*args) if dense else self._mix_routed(*args)

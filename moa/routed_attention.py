@@ -344,8 +344,7 @@ def reorder_cache(buffer: Dict[str, Optional[Tensor]], name: str, order: Tensor,
     A reorder reads and writes the whole cache whatever the layout, so it writes the reordered cache
     into a contiguous store of exactly one more position, which the step that follows (beam search
     appends one) fills: attention then reads a contiguous cache, where a store with headroom gives
-    strided matrices that torch's batched matmul on CPU reads 1.3x-2.5x as slowly
-    (docs/speed-and-memory.md). The new store is made in the memory the store before last used
+    strided matrices that torch's batched matmul on a CPU reads more slowly. The new store is made in the memory the store before last used
     (``buffer[name + SPARE]``, flat), so that steps alternate between two buffers and allocate nothing
     once warm. Each step copies the cache once, where fairseq's attention copies it twice (its reorder,
     then its concatenation)."""

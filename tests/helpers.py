@@ -2,7 +2,7 @@
 
 The default run (``pytest tests``) is the fast in-process set; tests marked ``slow`` (subprocess
 CLIs, recipes, benchmark smoke runs) run with ``pytest -m slow tests``. ``pytest.ini`` puts the
-repository root on the path, so ``benchmarks`` imports as a package.
+repository root on the path, so ``benchmarks`` imports as a package (tests may use its harness).
 """
 
 import os
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moa  # noqa: F401  (registers the plugin)
-from benchmarks.common import ROOT, shared_data
+from benchmarks.harness.results import ROOT, shared_data
 from moa.models.build import build_translation_model, dictionary_of_size
 from moa_tools import fairseq_command
 

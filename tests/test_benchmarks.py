@@ -1,4 +1,5 @@
-"""The benchmark's baseline computes what MoA computes, and the benchmark command runs and reports."""
+"""Every study's entry point runs end to end on tiny settings and reports what it measured; the harness
+counts and times what it says (the developer tools: tests/test_dev_tools.py)."""
 
 import json
 import os
@@ -11,14 +12,16 @@ import pytest
 import torch
 from fairseq.data import Dictionary
 
-from benchmarks import translation_multi30k
-from benchmarks.authors_style_moa import AuthorsStyleMoA
-from benchmarks.translation_multi30k import MODELS, models
+from benchmarks.harness.corpora import multi30k_models as models
+from benchmarks.multi30k import equal_time
+from benchmarks.multi30k.equal_time import MODELS
+from benchmarks.speed.authors_style_moa import AuthorsStyleMoA
 from helpers import ROOT, needs_shared
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.models.build import build_translation_model, dictionary_of_size
 
 needs_multi30k, _ = needs_shared("multi30k")
+needs_wikitext, _ = needs_shared("wikitext-2", "wiki.valid.tokens")
 
 MODEL_LABELS = {key: label for key, (label, _) in MODELS.items()}
 
@@ -34,7 +37,7 @@ def test_authors_style_baseline_matches_moa_with_raw_gates():
 def test_quick_benchmark_reports_every_module(tmp_path):
     out = tmp_path / "quick.json"
     profile = tmp_path / "profile"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.moa_speed", "--quick", "--profile", str(profile),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.models_and_modules", "--quick", "--profile", str(profile),
                            "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -48,7 +51,9 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     assert set(moh) == {"MHA 16x64", "MoH 75% (8 + top-4 of 8)", "MoH 50% (4 + top-4 of 12)",
                         "MoH 75% (8 + top-4 of 8), dense-masked", "MoH 50% (4 + top-4 of 12), dense-masked"}
     assert moh["MHA 16x64"]["macs_ratio"] == 1.0
-    assert moh["MoH 50% (4 + top-4 of 12)"]["macs_ratio"] == pytest.approx((2 + 1 + 512 / 1024) / (4 + 2 * 512 / 1024))
+    d, seq = 1024, 512  # 8 of 16 heads of 64: their queries and outputs, every key and value, the router, attention
+    assert moh["MoH 50% (4 + top-4 of 12)"]["macs_ratio"] == pytest.approx(
+        (2 * 8 * 64 * d + 2 * d * d + d * 18 + 2 * 8 * seq * 64) / (2 * d * d + 2 * d * d + 2 * 16 * seq * 64))
     for row in moh.values():
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ratio"] > 0
     small = {r["arch"]: r for r in report["small"]}  # the Multi30k shape, whole models side by side
@@ -60,7 +65,7 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     # MoA's single shared K/V head: a quarter of the 4-head Transformer's cache
     assert small["moa_small"]["kv_cache_bytes_per_token_per_layer"] * 4 == \
         small["transformer"]["kv_cache_bytes_per_token_per_layer"]
-    assert report["runs"]["small"]["command"].startswith("python -m benchmarks.moa_speed --quick")
+    assert report["runs"]["small"]["command"].startswith("python -m benchmarks.speed.models_and_modules --quick")
     table = (profile / "small-moa_small-train.txt").read_text()
     assert "moa:router (MoA)" in table and "moa:grouped GEMM (MoA/MoH)" in table and "aten::mm" in table
     assert "moa:multi-head attention module" in (profile / "small-transformer-decode.txt").read_text()
@@ -90,7 +95,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     stale = tmp_path / "work" / "en-de" / "seed1" / "moa" / "checkpoint_last.pt"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"left by an earlier run")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.translation_multi30k", "--smoke",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multi30k.equal_time", "--smoke",
                            "--pairs", "en-de", "--seeds", "1", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -101,7 +106,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     assert [r["model"] for r in report["rows"]] == [MODEL_LABELS[key] for key in keys] * 2
     # every row and the file say what measured them: the command, the commit, the versions
     run = report["run"]
-    assert run["command"].startswith("python -m benchmarks.translation_multi30k --smoke --pairs en-de --seeds 1 2")
+    assert run["command"].startswith("python -m benchmarks.multi30k.equal_time --smoke --pairs en-de --seeds 1 2")
     assert re.fullmatch(r"[0-9a-f]{40}(\+changes)?", run["commit"])
     assert (run["torch"], run["fairseq"]) == (torch.__version__, fairseq.__version__)
     assert all(row["run"] == run for row in report["rows"])
@@ -139,13 +144,107 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
         part = dict(report, budget=f"equal updates, 20 per model, batches of up to 2048 tokens, 200 warmup updates, seed {seed}",
                     rows=[{k: v for k, v in r.items() if k != "seed"} for r in rows if r["seed"] == seed])
         (tmp_path / f"seed{seed}.json").write_text(json.dumps(part))
-    subprocess.run([sys.executable, "-m", "benchmarks.translation_multi30k", "--combine",
+    subprocess.run([sys.executable, "-m", "benchmarks.multi30k.equal_time", "--combine",
                     str(tmp_path / "seed1.json"), str(tmp_path / "seed2.json"), "--out", str(tmp_path / "both")],
                    check=True, capture_output=True, cwd=ROOT)
     both = json.loads((tmp_path / "both.json").read_text())
     assert (both["budget"], both["rows"]) == (report["budget"], report["rows"])
-    assert both["run"]["command"].startswith("python -m benchmarks.translation_multi30k --combine")
+    assert both["run"]["command"].startswith("python -m benchmarks.multi30k.equal_time --combine")
     assert mean in (tmp_path / "both.md").read_text()
+    # the compute dial reads the checkpoints this run left: MoA at k = 1 and its trained k = 4, MoH at K = 1
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compute_dial", "--workdir", str(tmp_path / "work"),
+                           "--smoke", "--out", str(tmp_path / "dial")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    dial = {(r["model_id"], r["setting"]): r for r in json.loads((tmp_path / "dial.json").read_text())["rows"]}
+    assert list(dial) == [("transformer", None), ("moa", 1), ("moa", 4), ("moh", 1)]
+    assert dial[("moa", 4)]["trained_setting"] and not dial[("moa", 1)]["trained_setting"]
+    assert dial[("moa", 1)]["macs_per_target_token"] < dial[("moa", 4)]["macs_per_target_token"]
+    assert dial[("transformer", None)]["decode_time_ratio"] == 1.0
+    assert all(0 <= r["sacrebleu"] <= 100 and r["decode_sentences_per_s"] > 0 for r in dial.values())
+    assert "| MoA (moa_small) | k = 4 of 8 experts (trained) |" in (tmp_path / "dial.md").read_text()
+
+
+@pytest.mark.slow
+@needs_multi30k
+def test_converged_study_smoke_trains_scores_skips_and_reports(tmp_path):
+    """The converged study's whole path on the first 3,000 lines and 2 epochs: train, average, score, count,
+    write the row; a rerun skips the recorded run; --report makes the tables and the picture."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    command = [sys.executable, "-m", "benchmarks.multi30k.converged", "--smoke", "--models", "transformer", "moa",
+               "--seeds", "1", "--workdir", str(work), "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r: json.loads((out / "runs" / f"{r}-seed1-lr2e-3-warmup1000-tokens2048.json").read_text())
+            for r in ("transformer", "moa-4K8E64D")}
+    for row in rows.values():
+        assert (row["epoch_cap"], row["epochs"], row["stopped_by"]) == (2, 2, "epoch cap")
+        assert set(row["valid_nll_by_epoch"]) == {"1", "2"} and row["best_valid_nll"] > 0
+        assert 0 <= row["averaged"]["sacrebleu"] <= 100 and row["best"]["translated"] == 100
+    assert rows["moa-4K8E64D"]["macs_per_target_token"] < rows["transformer"]["macs_per_target_token"]
+    assert (work / "converged" / "moa-4K8E64D-seed1-lr2e-3-warmup1000-tokens2048" / "averaged-last2.pt").is_file()
+    again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert again.stdout.count("recorded already, skipped") == 2
+    subprocess.run([sys.executable, "-m", "benchmarks.multi30k.converged", "--report", "--out", str(out)], check=True,
+                   capture_output=True, cwd=ROOT)
+    report = (out / "converged.md").read_text()
+    assert "## Every run" in report and "| MoA 4K8E64D (moa_small) | 1 |" in report and (out / "valid-nll.png").is_file()
+    refused = subprocess.run(command[:3] + ["--smoke"], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2 and "name a scratch folder with --out" in refused.stderr
+
+
+@pytest.mark.slow
+@needs_wikitext
+def test_wikitext_studies_smoke(tmp_path):
+    """The masked LM, the LMs, and the LM conversion, 10 updates each, sharing one prepared corpus."""
+    work = str(tmp_path / "work")
+    for module, extra in (("mlm", ["--models", "moa", "transformer", "--out", str(tmp_path / "mlm")]),
+                          ("lm", ["--models", "transformer", "moa", "--out", str(tmp_path / "lm")]),
+                          ("lm", ["--convert", "--out", str(tmp_path / "lm")])):
+        proc = subprocess.run([sys.executable, "-m", f"benchmarks.wikitext.{module}", "--smoke", "--workdir", work,
+                               *extra], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    mlm = json.loads((tmp_path / "mlm.json").read_text())["rows"]
+    assert [(r["model_id"], r["updates"]) for r in mlm] == [("moa", 10), ("transformer", 10)]
+    lm = {r["model_id"]: r for r in json.loads((tmp_path / "lm" / "lm-wikitext2.json").read_text())["rows"]}
+    converted = {r["model_id"]: r for r in json.loads((tmp_path / "lm" / "convert-lm.json").read_text())["rows"]}
+    assert set(converted) == {"converted-moh-75", "converted-moh-50", "continued-transformer",
+                              "continued-converted-moh-75", "continued-converted-moh-50"}
+    # conversion keeps every weight (the router it adds has none) and continues 5 updates
+    assert converted["converted-moh-75"]["parameters"] == lm["transformer"]["parameters"]
+    assert converted["continued-converted-moh-50"]["updates"] == 5
+    for row in mlm + list(lm.values()) + list(converted.values()):
+        assert row["valid_ppl"] > 1 and row["test_ppl"] > 1
+    assert "| equal updates, 10 per model | MoA 4K8E64D (moa_roberta_small) | 1 |" in (tmp_path / "mlm.md").read_text()
+
+
+@pytest.mark.slow
+@needs_multi30k
+def test_bf16_study_quick_measures_every_section(tmp_path):
+    out = tmp_path / "bf16.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.bf16", "--quick", "--models", "moa_small",
+                           "--workdir", str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    trainer = {r["precision"]: r for r in report["trainer"]}
+    assert set(trainer) == {"float32", "bf16", "memory-efficient-bf16"} and trainer["float32"]["trainer_speedup"] == 1.0
+    assert all(r["words_per_s"] > 0 for r in trainer.values())
+    [train] = report["fairseq-train"]
+    assert train["float32_wps"] > 0 and train["bf16_wps"] > 0
+    assert [r["model"] for r in report["decode"]] == ["moa_small"]
+    assert [r["module"] for r in report["modules"]] == ["MoA 8K8E128D", "MoA 4K32E64D", "MoA 16K32E256D", "MHA 8x64"]
+    assert set(report["runs"]) == {"trainer", "fairseq-train", "decode", "modules"}
+
+
+@pytest.mark.slow
+def test_compile_study_quick_times_the_compiled_step_beside_eager(tmp_path):
+    out = tmp_path / "compile.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.compile", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert (row["model"], row["job"]) == ("moa_small", "train") and "error" not in row
+    assert row["compiled_ms"] > 0 and row["graphs"] >= 1 and row["first_call_compiled_s"] > row["first_call_eager_s"]
 
 
 def test_multi30k_moa_config_reaches_the_moa_models(capsys):
@@ -159,7 +258,7 @@ def test_multi30k_moa_config_reaches_the_moa_models(capsys):
         assert len(moa) == moa_layers
         assert {(m.top_k, m.num_experts, m.head_dim) for m in moa} == {(4, 4, 128)}
     with pytest.raises(SystemExit) as usage:
-        translation_multi30k.main(["--moa-config", "8K4E64D", "--combine", "unused.json"])
+        equal_time.main(["--moa-config", "8K4E64D", "--combine", "unused.json"])
     assert usage.value.code == 2 and "--moa-config '8K4E64D': expected kKeEdD with k <= e" in capsys.readouterr().err
 
 
@@ -171,10 +270,10 @@ def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path, capsys)
     (tmp_path / "a.json").write_text(json.dumps(report("equal training time, 11 min per model, seed 1")))
     (tmp_path / "b.json").write_text(json.dumps(report(
         "equal training time, 11 min per model, batches of up to 2048 tokens, 200 warmup updates, seed 2")))
-    code = translation_multi30k.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+    code = equal_time.main(["--combine", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
                                       "--out", str(tmp_path / "both")])
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith("benchmarks.translation_multi30k: error: --combine: these runs had different budgets")
+    assert code == 1 and err.startswith("benchmarks.multi30k.equal_time: error: --combine: these runs had different budgets")
     assert "batches of up to 2048 tokens, 200 warmup updates" in err
     assert not (tmp_path / "both.json").exists()
 
@@ -182,7 +281,7 @@ def test_multi30k_combine_refuses_runs_with_different_settings(tmp_path, capsys)
 @pytest.mark.slow
 def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tmp_path):
     out = tmp_path / "lm.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.lm_decoding", "--quick", "--batches", "2", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.lm_decoding", "--quick", "--batches", "2", "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -198,99 +297,7 @@ def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tm
     assert module["moh-50"]["macs_ratio"] == pytest.approx(
         (2 * 16 * 64 * 2048 + 2 * 2048 ** 2 + 2048 * 34 + 2 * 16 * 256 * 64) / (4 * 2048 ** 2 + 2 * 32 * 256 * 64))
     assert {r["context"] for r in report["crossover"] if "module" in r} == {64, 256}
-    assert report["runs"]["decode"]["command"].startswith("python -m benchmarks.lm_decoding --quick")
+    assert report["runs"]["decode"]["command"].startswith("python -m benchmarks.speed.lm_decoding --quick")
     assert "| moa_lm_small (4K8E64D) | 2 | 64 |" in (tmp_path / "lm.md").read_text()
 
 
-@pytest.mark.slow
-def test_the_gpu_check_runs_its_cpu_part(tmp_path):
-    """Without CUDA, benchmarks/gpu_check.sh skips tests/gpu and runs its measurements on the CPU: no host
-    read in the MoA modules' steps on the grouped projections, one per MoH module, the table eager and
-    compiled, the profile and the whole models; all of it in one folder."""
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--quick", "--out", str(tmp_path / "check")],
-                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    assert "No CUDA device" in proc.stderr and "skipped" in out
-    assert re.search(r"^\| MoA 16K32E256D module, grouped projections \| 0 \| - \|$", out, re.M)
-    assert re.search(r"^\| MoH module, 4 shared \+ top-2 of 4, packed \| 1 \| item at .*dispatch.py", out, re.M)
-    for config in ("8K8E128D", "16K32E256D"):  # eager and compiled
-        assert re.search(rf"^\| {config} \| 1,024 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+x \| "
-                         rf"[\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.M)
-    report = json.loads(open(re.search(r"written: (\S+)", out).group(1)).read())
-    assert report["device"].startswith("CPU") and len(report["table"]) == 2
-    moa, dense = report["profile"]
-    assert moa["ms_by_kind"]["grouped GEMM"] > 0 and moa["ms_by_kind"]["scatters"] > 0
-    assert dense["ms_by_kind"]["grouped GEMM"] == 0 and dense["ms_by_kind"]["attention"] > 0
-    assert [(r["arch"], r["against"]) for r in report["models"]] == [
-        ("moa_base", "transformer_wmt_en_de"), ("moh_base", "transformer_wmt_en_de"),
-        ("moa_big", "transformer_vaswani_wmt_en_de_big")]
-    for r in report["models"]:  # each ratio is measured, and moa_big (16 of 32 experts of 256) is the cheaper
-        assert r["train_words_per_s"] > 0 and r["generate_sentences_per_s"] > 0
-    assert report["models"][2]["macs_ratio"] < 1
-    assert sorted(os.listdir(tmp_path / "check")) == ["check.log", "environment.txt", "gpu-check.json", "gpu-check.md",
-                                                      "profile-16K32E256D.txt", "profile-dense.txt"]
-    assert "| MoA 16K32E256D module, grouped projections | 0 | - |" in (tmp_path / "check" / "check.log").read_text()
-    assert f"torch {torch.__version__}" in (tmp_path / "check" / "environment.txt").read_text()
-    bad = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--fast"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "usage" in bad.stderr
-
-
-def test_guard_verdict_is_the_median_ratio_against_twice_its_standard_error():
-    from benchmarks import guard
-
-    assert guard.verdict([1.0] * 8) == (1.0, guard.MIN_NOISE, False)  # no spread: the 2% floor
-    ratio, noise, failed = guard.verdict([1.1] * 7 + [1.3])
-    assert ratio == pytest.approx(1.1) and failed
-    ratio, noise, failed = guard.verdict([0.8, 1.3, 1.0, 1.1, 0.9, 1.2])  # median 1.05 in a spread that wide
-    assert ratio == pytest.approx(1.05) and noise > 0.05 and not failed
-
-
-def test_guard_checks_out_the_base_and_refuses_what_is_not_a_commit(tmp_path):
-    from benchmarks import guard
-
-    commit = guard.checkout("HEAD", str(tmp_path))
-    assert len(commit) == 40 and (tmp_path / "moa" / "experts.py").is_file()
-    assert not (tmp_path / "tests").exists()  # the package alone
-    with pytest.raises(SystemExit, match="--base no-such-ref: not a commit"):
-        guard.checkout("no-such-ref", str(tmp_path))
-    with pytest.raises(SystemExit, match="JOB=FRACTION"):
-        guard.parse_slowdown(["train=0.1"])
-
-
-@pytest.mark.slow
-def test_the_guard_fails_on_an_injected_slowdown():
-    """The whole guard, one job, the working tree against HEAD: three times slower is caught."""
-    run = subprocess.run([sys.executable, "-m", "benchmarks.guard", "--base", "HEAD", "--jobs", "lm-moa",
-                          "--processes", "2", "--rounds", "2", "--inject-slowdown", "lm-moa=2"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert run.returncode == 1, run.stdout + run.stderr
-    row = re.search(r"^lm-moa +(\d+\.\d+) +(\d+\.\d+)  SLOWER", run.stdout, re.M)
-    assert row and float(row.group(1)) > 2
-
-
-def test_the_gpu_check_names_the_kit_when_its_python_has_no_fairseq(tmp_path):
-    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--quick", "--kit", str(tmp_path), "--out",
-                           str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, PYTHON="/usr/bin/python3"))
-    assert proc.returncode == 1
-    assert f"/usr/bin/python3 cannot import fairseq and {tmp_path} holds no wheels: run bash benchmarks/device_kit.sh" \
-        in proc.stderr
-    assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.slow
-def test_the_device_kit_holds_the_lent_machines_missing_wheels_within_40_mib(tmp_path):
-    """Downloads from the package index (about 22 MB): the wheels for Python 3.12 that the lent GPU
-    machine lacks, antlr4 built here from its source archive, and the install line."""
-    kit = tmp_path / "kit"
-    proc = subprocess.run(["bash", "benchmarks/device_kit.sh", "--out", str(kit)], capture_output=True, text=True,
-                          cwd=ROOT, env=dict(os.environ, PYTHON=sys.executable))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    wheels = sorted(os.listdir(kit))
-    names = [re.match(r"[A-Za-z0-9_]+?-", w).group(0)[:-1].lower() for w in wheels if w.endswith(".whl")]
-    assert names == ["antlr4_python3_runtime", "bitarray", "fairseq_fixed", "hydra_core", "omegaconf", "sacremoses"]
-    assert all(w.endswith(("-py3-none-any.whl", "-cp312-cp312-manylinux_2_28_x86_64.whl")) or "cp312-cp312-manylinux" in w
-               for w in wheels if w.endswith(".whl"))
-    assert sum(os.path.getsize(kit / w) for w in wheels) <= 40 * 2 ** 20
-    assert "--no-index --no-deps --target" in (kit / "INSTALL").read_text()

@@ -1,9 +1,9 @@
-"""A training step that never waits on the host, proved on a CPU (tests/host_reads.py counts what would).
+"""A training step that never waits on the host, proved on a CPU (benchmarks/harness/host_reads.py counts what would).
 
 MoA's routed path on the grouped expert projections makes no host read in the forward, the backward
 and the criterion, nor does the reduction of its figures; MoH's packed path reads once per module (the
 packed layout's length is a shape); a decoding step (every expert or head) reads nothing. fairseq's own Transformer code reads a few times per
-step (its padding checks), which docs/speed-and-memory.md lists; they are not the plugin's.
+step (its padding checks), which docs/gpus-and-precision.md lists; they are not the plugin's.
 """
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 from fairseq import metrics
 
 from helpers import TINY, TINY_MOH, build_model, translation_sample
-from host_reads import HostReads
+from benchmarks.harness.host_reads import HostReads
 from moa.criterions.moa_label_smoothed_cross_entropy import MoALabelSmoothedCrossEntropyCriterion
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention

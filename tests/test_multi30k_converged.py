@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from benchmarks import multi30k_converged as study
-from benchmarks.multi30k_report import differences, reproduced_table, verdict
+from benchmarks.multi30k import converged as study
+from benchmarks.multi30k.report import differences, reproduced_table, verdict
 from moa_tools import ToolError
 
 LINE = ("2026-12-04 05:{minute:02d}:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "

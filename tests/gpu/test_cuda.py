@@ -17,7 +17,7 @@
   and MoH for a few updates to a finite loss, and fairseq-generate translates every test sentence with
   the half-precision model (slow).
 
-``bash benchmarks/gpu_check.sh`` runs these and then the GPU measurements (benchmarks/gpu_check.py).
+``bash benchmarks/dev/gpu_check.sh`` runs these and then the GPU measurements (benchmarks/dev/gpu_check.py).
 """
 
 import math

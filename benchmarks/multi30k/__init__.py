@@ -1,0 +1,1 @@
+"""Multi30k translation: equal training time, training to convergence, and their tables (see README.md)."""

@@ -1,0 +1,189 @@
+"""The tables, verdicts and picture of the converged Multi30k study, from the rows its runs recorded.
+
+    .venv/bin/python -m benchmarks.multi30k.converged --report
+
+Reads ``sweep/*.json``, ``runs/*.json`` and ``reproduced/*.json`` of the study's folder and writes
+``converged.md`` (the sweep, every run, each model's difference to the Transformer of the same seed, the
+verdicts, the reproductions),
+``valid-nll.png`` (validation NLL in bits against updates, every model and seed) and
+``sweep-valid-nll.png`` (the same for the sweep's recipes).
+"""
+
+import glob
+import json
+import os
+import statistics
+
+from benchmarks.harness.results import provenance, provenance_line, table, write_atomically
+
+NLL_TIE = 0.02  # bits of validation NLL: a smaller mean difference is a tie, not a finding
+# (question, model id, MoA configuration or None, the model it is compared with, of the same seed and recipe)
+QUESTIONS = [("MoA 4K8E64D against the Transformer", "moa", "4K8E64D", "transformer"),
+             ("MoH 75% against the Transformer", "moh", None, "transformer"),
+             ("MoA 4K8E64D against the Transformer of its cost (FFN 768)", "moa", "4K8E64D", "transformer-narrow"),
+             ("MoA 4K4E64D (every expert on every token) against the Transformer of its cost", "moa", "4K4E64D",
+              "transformer-narrow"),
+             ("MoA 4K16E64D against the Transformer", "moa", "4K16E64D", "transformer"),
+             ("MoA 4K32E64D against the Transformer", "moa", "4K32E64D", "transformer"),
+             ("MoA 4K4E128D (the paper base's proportions) against the Transformer", "moa", "4K4E128D", "transformer"),
+             ("MoA in self-attention only against the Transformer", "moa-self", "4K8E64D", "transformer")]
+
+
+def rows_in(folder):
+    rows = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            rows.append(json.load(f))
+    return rows
+
+
+def sweep_table(sweep, recipes):
+    best = min(sweep, key=lambda r: r["best_valid_nll"]) if sweep else None
+    cells = []
+    for r in sorted(sweep, key=lambda r: r["best_valid_nll"]):
+        flags = dict(zip(r["recipe_flags"][::2], r["recipe_flags"][1::2]))
+        mark = (" (lowest)" if len(sweep) == recipes else " (lowest so far)") if r is best else ""
+        cells.append([r["recipe"] + mark, flags["--lr"], flags["--warmup-updates"], flags["--max-tokens"],
+                      flags["--dropout"], r["epochs"], r["updates"], f"{r['best_valid_nll']:.3f}", r["best_epoch"],
+                      f"{r['train_wall_s'] / 60:.0f}"])
+    return table(["recipe", "peak lr", "warmup updates", "tokens per batch", "dropout", "epochs", "updates",
+                  "best valid NLL (bits)", "at epoch", "training min"], cells)
+
+
+def runs_table(runs):
+    return table(["model", "seed", "parameters", "MACs/token", "epochs (stopped by)", "best epoch (updates)",
+                  "best valid NLL", "words/s", "training min", "sacreBLEU, average", "tok. BLEU, average",
+                  "sacreBLEU, best", "tok. BLEU, best"],
+                 [[r["model"], r["seed"], f"{r['parameters']:,}", f"{r['macs_per_target_token'] / 1e6:.2f}M",
+                   f"{r['epochs']} ({r['stopped_by']})", f"{r['best_epoch']} ({r['best_updates']})",
+                   f"{r['best_valid_nll']:.3f}", f"{r['train_words_per_s']:.0f}", f"{r['train_wall_s'] / 60:.0f}",
+                   f"{r['averaged']['sacrebleu']:.2f}", f"{r['averaged']['tokenized_bleu']:.2f}",
+                   f"{r['best']['sacrebleu']:.2f}", f"{r['best']['tokenized_bleu']:.2f}"] for r in runs])
+
+
+def reproduced_table(comparisons):
+    return table(["run", "epochs trained afresh", "largest difference in valid NLL (bits)", "within tolerance", "calls",
+                  "recorded at commit", "reproduced at commit"],
+                 [[os.path.basename(c["recorded_row"])[:-5], c["epochs"], f"{c['largest_difference_bits']:.3f}",
+                   f"{'yes' if c['within_tolerance'] else 'no'} ({c['tolerance_bits']})", c["segments"],
+                   c["recorded_run"]["commit"][:7], c["run"]["commit"][:7]] for c in comparisons])
+
+
+def differences(runs, model_id, moa_config, baseline="transformer"):
+    """[(seed, valid NLL difference, averaged sacreBLEU difference, best-checkpoint sacreBLEU difference,
+    MACs ratio)] of one model to the ``baseline`` model of the same seed and recipe."""
+    transformers = {(r["seed"], r["recipe"]): r for r in runs if r["model_id"] == baseline}
+    out = []
+    for r in runs:
+        if r["model_id"] != model_id or r["moa_config"] != moa_config or (r["seed"], r["recipe"]) not in transformers:
+            continue
+        t = transformers[(r["seed"], r["recipe"])]
+        out.append((r["seed"], r["best_valid_nll"] - t["best_valid_nll"],
+                    r["averaged"]["sacrebleu"] - t["averaged"]["sacrebleu"], r["best"]["sacrebleu"] - t["best"]["sacrebleu"],
+                    r["macs_per_target_token"] / t["macs_per_target_token"]))
+    return sorted(out)
+
+
+def verdict(diffs, baseline="transformer"):
+    """One sentence from the per-seed differences: which way, and whether the sign holds in every seed."""
+    if not diffs:
+        return "not measured yet"
+    bleu = [d[2] for d in diffs]
+    nll = [d[1] for d in diffs]
+    if len(diffs) < 2:
+        return (f"one seed only ({bleu[0]:+.2f} sacreBLEU, {nll[0]:+.3f} bits valid NLL): no verdict before a "
+                "second seed")
+    same_bleu = all(b > 0 for b in bleu) or all(b < 0 for b in bleu)
+    same_nll = all(n > 0 for n in nll) or all(n < 0 for n in nll)
+    seeds = f"{len(diffs)} seeds ({', '.join(f'{b:+.2f}' for b in bleu)})"
+    nll_words = (f"validation NLL {statistics.mean(nll):+.3f} bits"
+                 f" ({'same sign in every seed' if same_nll else 'sign differs between seeds'})")
+    if abs(statistics.mean(nll)) < NLL_TIE:
+        nll_words += f", a tie (under {NLL_TIE} bits)"
+    if not same_bleu:
+        return (f"no consistent difference: {statistics.mean(bleu):+.2f} sacreBLEU on average over {seeds}, "
+                f"the sign differs between seeds; {nll_words}")
+    word = "better" if bleu[0] > 0 else "worse"
+    return (f"{word} in every seed: by {abs(statistics.mean(bleu)):.2f} sacreBLEU on average over {seeds}; "
+            f"{nll_words}; at {statistics.mean(d[4] for d in diffs):.2f}x the MACs of {baseline}")
+
+
+def picture(runs, path, title, label):
+    """Validation NLL against updates, one line per row (colour by ``label(row)``, dashed for seed 2)."""
+    import logging
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    colours = {}
+    for r in runs:
+        key = label(r)
+        colour = colours.setdefault(key, f"C{len(colours)}")
+        curve = sorted((v["updates"], v["nll"]) for v in r["valid_nll_by_epoch"].values())
+        axes.plot(*zip(*curve), color=colour, linestyle="-" if r["seed"] == 1 else "--", marker=".",
+                  label=f"{key}, seed {r['seed']}")
+    axes.set_xlabel("updates")
+    axes.set_ylabel("validation NLL (bits per token)")
+    axes.set_title(title)
+    low = min((v["nll"] for r in runs for v in r["valid_nll_by_epoch"].values()), default=2.0)
+    axes.set_ylim(low - 0.1, low + 1.5)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    tmp = path + ".tmp.png"
+    figure.savefig(tmp, dpi=110)
+    plt.close(figure)
+    os.replace(tmp, path)
+
+
+def write_report(out, recipe, recipes):
+    """converged.md and the pictures in ``out`` from its rows; ``recipe``: the study's recipe, of ``recipes`` swept."""
+    made_by = provenance_line(provenance("multi30k.converged", ["--report"]))  # before the pictures change the tree
+    sweep, runs = rows_in(os.path.join(out, "sweep")), rows_in(os.path.join(out, "runs"))
+    runs.sort(key=lambda r: (r["seed"], r["model_id"] != "transformer", r["model_id"], r["moa_config"] or ""))
+    lines = ["# Converged Multi30k En-De", ""]
+    for model in dict.fromkeys(r["model"] for r in sorted(sweep, key=lambda r: r["model_id"] != "transformer")):
+        rows = [r for r in sweep if r["model"] == model]
+        lines += [f"## The recipe sweep: {model}, seed 1, validation only", "", *sweep_table(rows, recipes), ""]
+        chosen = [r for r in rows if r["recipe"] == recipe]
+        if chosen and len(rows) == recipes:
+            low = min(rows, key=lambda r: r["best_valid_nll"])
+            margin = chosen[0]["best_valid_nll"] - low["best_valid_nll"]
+            lines += [f"The study's recipe ({recipe}) is this model's lowest.", ""] if low is chosen[0] else \
+                [f"The study's recipe ({recipe}) is {margin:.3f} bits above this model's lowest ({low['recipe']}): "
+                 f"{'another recipe wins' if margin > NLL_TIE else 'a tie'} (the bar: {NLL_TIE} bits).", ""]
+    lines += ["## Every run", "",
+             "Test: test_2016_flickr, beam 4, length penalty 0.6; *average*: the last epoch checkpoints averaged; "
+             "*best*: checkpoint_best (lowest validation loss). MACs: forward, per target token, counted with the "
+             "experts' grouped GEMM and the fused attention (moa.flops). Valid NLL in bits.",
+             "", *runs_table(runs), "", "## Differences to the model compared with, of the same seed", "",
+             "| model | against | seed | valid NLL | sacreBLEU, average | sacreBLEU, best | MACs ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for _, model_id, config, baseline in QUESTIONS:
+        for seed, nll, avg, best, macs in differences(runs, model_id, config, baseline):
+            label = next(r["model"] for r in runs if r["model_id"] == model_id and r["moa_config"] == config)
+            lines.append(f"| {label} | {baseline} | {seed} | {nll:+.3f} | {avg:+.2f} | {best:+.2f} | {macs:.2f}x |")
+    lines += ["", "## Verdicts", ""]
+    lines += [f"- **{question}**: {verdict(differences(runs, model_id, config, baseline), baseline)}."
+              for question, model_id, config, baseline in QUESTIONS]
+    reproduced = rows_in(os.path.join(out, "reproduced"))
+    if reproduced:
+        lines += ["", "## Reproduced from a clean start (`--reproduce`)", "", *reproduced_table(reproduced)]
+    if runs:
+        lines += ["", f"sacreBLEU signature: {runs[0]['averaged']['signature']}"]
+        picture(runs, os.path.join(out, "valid-nll.png"), "Multi30k En-De, validation NLL at each epoch's end",
+                lambda r: r["model"])
+    if sweep:
+        picture(sweep, os.path.join(out, "sweep-valid-nll.png"), "The recipe sweeps, seed 1",
+                lambda r: f"{r['model']}, {r['recipe']}")
+    made = sorted({(run["command"], run["commit"], run["torch"], run["machine"])
+                   for r in sweep + runs + reproduced for run in (r["run"], r.get("macs_run")) if run})
+    lines += ["", "The rows were trained (and their MACs counted) by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
+    lines += ["", made_by]
+    text = "\n".join(lines) + "\n"
+    write_atomically(os.path.join(out, "converged.md"), text)
+    print(text)

@@ -1,0 +1,1 @@
+"""WikiText-2: masked LMs and language models (see README.md)."""
