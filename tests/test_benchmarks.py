@@ -188,6 +188,7 @@ def test_converged_study_smoke_trains_scores_skips_and_reports(tmp_path):
                    capture_output=True, cwd=ROOT)
     report = (out / "converged.md").read_text()
     assert "## Every run" in report and "| MoA 4K8E64D (moa_small) | 1 |" in report and (out / "valid-nll.png").is_file()
+    assert (out / "frontier-macs.png").is_file() and (out / "frontier-parameters.png").is_file()
     refused = subprocess.run(command[:3] + ["--smoke"], capture_output=True, text=True, cwd=ROOT)
     assert refused.returncode == 2 and "name a scratch folder with --out" in refused.stderr
 

@@ -3,11 +3,12 @@ which recorded runs it skips, and how its verdicts read per-seed differences."""
 
 import argparse
 import json
+import math
 
 import pytest
 
 from benchmarks.multi30k import converged as study
-from benchmarks.multi30k.report import differences, reproduced_table, verdict
+from benchmarks.multi30k.report import differences, experts_slope, reproduced_table, verdict
 from moa_tools import ToolError
 
 LINE = ("2026-12-04 05:{minute:02d}:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "
@@ -74,6 +75,19 @@ def test_verdicts_pair_each_seed_with_its_own_transformer_and_say_whether_the_si
                                  "at 1.00x the MACs of transformer")
     assert verdict(differences(runs, "moh", None)).startswith("one seed only (+1.00 sacreBLEU")
     assert verdict(differences(runs, "moa", "4K4E128D")) == "not measured yet"
+
+
+def test_the_experts_slope_is_fitted_per_doubling_over_the_seeds_every_count_has():
+    runs = [row("moa", seed, 2.52 - 0.01 * math.log2(e // 4) + 0.002 * seed, 37.0, 36.0, f"4K{e}E64D")
+             for e in (4, 8, 16) for seed in (1, 2)] + [row("transformer", seed, 2.40, 38.0, 37.0) for seed in (1, 2)]
+    assert experts_slope(runs[:4]) == "not measured yet (4 experts, 8 experts recorded)"  # two counts fit no slope
+    assert experts_slope(runs).startswith("-0.010 bits of validation NLL per doubling of E over [4, 8, 16] experts "
+                                          "(mean of seeds 1, 2; per seed -0.010, -0.010)")
+    runs += [row("moa", 1, 2.492, 37.0, 36.0, "4K32E64D")]  # seed 1 only: the fit uses the seeds every count has
+    text = experts_slope(runs)
+    assert text.startswith("-0.010 bits of validation NLL per doubling of E over [4, 8, 16, 32] experts (mean of seeds 1;")
+    assert text.endswith("4K32E64D against transformer: +0.092 bits by seed")
+    assert experts_slope(runs[6:8]) == "not measured yet (no run recorded)"
 
 
 def test_a_reproduction_resumes_its_own_folders_refuses_others_and_records_each_comparison(tmp_path, monkeypatch):

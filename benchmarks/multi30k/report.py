@@ -11,7 +11,9 @@ verdicts, the reproductions),
 
 import glob
 import json
+import math
 import os
+import re
 import statistics
 
 from benchmarks.harness.results import provenance, provenance_line, table, write_atomically
@@ -108,8 +110,34 @@ def verdict(diffs, baseline="transformer"):
             f"{nll_words}; at {statistics.mean(d[4] for d in diffs):.2f}x the MACs of {baseline}")
 
 
-def picture(runs, path, title, label):
-    """Validation NLL against updates, one line per row (colour by ``label(row)``, dashed for seed 2)."""
+def experts_slope(runs, baseline="transformer"):
+    """One sentence on MoA kK{E}E64D against the number of experts E: the least-squares slope of validation NLL
+    (mean over seeds) per doubling of E, each seed's slope, and where the most experts stand against ``baseline``."""
+    by_experts = {}
+    for r in runs:
+        shape = r["model_id"] == "moa" and re.fullmatch(r"4K(\d+)E64D", r["moa_config"] or "")
+        if shape:
+            by_experts.setdefault(int(shape.group(1)), {})[r["seed"]] = r["best_valid_nll"]
+    seeds = sorted(set.intersection(*(set(v) for v in by_experts.values()))) if by_experts else []
+    if len(by_experts) < 3 or not seeds:
+        return f"not measured yet ({', '.join(f'{e} experts' for e in sorted(by_experts)) or 'no run'} recorded)"
+
+    def slope(points):
+        xs, ys = [math.log2(e) for e, _ in points], [y for _, y in points]
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+    experts = sorted(by_experts)
+    means = [(e, statistics.mean(by_experts[e][s] for s in seeds)) for e in experts]
+    per_seed = [slope([(e, by_experts[e][s]) for e in experts]) for s in seeds]
+    most = differences(runs, "moa", f"4K{experts[-1]}E64D", baseline)
+    reach = (f"4K{experts[-1]}E64D against {baseline}: {', '.join(f'{d[1]:+.3f}' for d in most)} bits by seed"
+             if most else f"4K{experts[-1]}E64D has no {baseline} of its seeds")
+    return (f"{slope(means):+.3f} bits of validation NLL per doubling of E over {experts} experts (mean of seeds "
+            f"{', '.join(map(str, seeds))}; per seed {', '.join(f'{x:+.3f}' for x in per_seed)}); {reach}")
+
+
+def plotting():
     import logging
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
@@ -117,7 +145,48 @@ def picture(runs, path, title, label):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def save(figure, path):
+    figure.tight_layout()
+    tmp = path + ".tmp.png"
+    figure.savefig(tmp, dpi=110)
+    figure.clf()
+    os.replace(tmp, path)
+
+
+def frontier(runs, path, x_key, x_label):
+    """Two panels, validation NLL and averaged sacreBLEU against ``x_key`` (MACs per target token or
+    parameters): every run a point (circles seed 1, squares seed 2), the two Transformers (the full and the
+    narrow one) joined through their seed means as the dense frontier."""
+    plt = plotting()
+    figure, panels = plt.subplots(1, 2, figsize=(12, 5))
+    colours = {}
+    for axes, (y_label, y) in zip(panels, (("validation NLL (bits per token)", lambda r: r["best_valid_nll"]),
+                                           ("sacreBLEU, last 5 epochs averaged", lambda r: r["averaged"]["sacrebleu"]))):
+        for r in runs:
+            colour = colours.setdefault(r["model"], f"C{len(colours)}")
+            axes.scatter(r[x_key] / 1e6, y(r), color=colour, marker="o" if r["seed"] == 1 else "s",
+                         label=f"{r['model']}, seed {r['seed']}")
+        dense = {}
+        for r in runs:
+            if r["model_id"] in ("transformer", "transformer-narrow"):
+                dense.setdefault(r[x_key] / 1e6, []).append(y(r))
+        if len(dense) > 1:
+            axes.plot(sorted(dense), [statistics.mean(dense[x]) for x in sorted(dense)], color="grey",
+                      linestyle=":", label="Transformers (seed mean)")
+        axes.set_xlabel(x_label)
+        axes.set_ylabel(y_label)
+        axes.grid(alpha=0.3)
+    panels[0].legend(fontsize=6)
+    figure.suptitle("Multi30k En-De, trained to convergence: every run")
+    save(figure, path)
+
+
+def picture(runs, path, title, label):
+    """Validation NLL against updates, one line per row (colour by ``label(row)``, dashed for seed 2)."""
+    plt = plotting()
     figure, axes = plt.subplots(figsize=(8, 5))
     colours = {}
     for r in runs:
@@ -133,11 +202,7 @@ def picture(runs, path, title, label):
     axes.set_ylim(low - 0.1, low + 1.5)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7)
-    figure.tight_layout()
-    tmp = path + ".tmp.png"
-    figure.savefig(tmp, dpi=110)
-    plt.close(figure)
-    os.replace(tmp, path)
+    save(figure, path)
 
 
 def write_report(out, recipe, recipes):
@@ -170,6 +235,7 @@ def write_report(out, recipe, recipes):
     lines += ["", "## Verdicts", ""]
     lines += [f"- **{question}**: {verdict(differences(runs, model_id, config, baseline), baseline)}."
               for question, model_id, config, baseline in QUESTIONS]
+    lines.append(f"- **MoA 4K{{4,8,16,32}}E64D, validation NLL against the number of experts**: {experts_slope(runs)}.")
     reproduced = rows_in(os.path.join(out, "reproduced"))
     if reproduced:
         lines += ["", "## Reproduced from a clean start (`--reproduce`)", "", *reproduced_table(reproduced)]
@@ -177,6 +243,8 @@ def write_report(out, recipe, recipes):
         lines += ["", f"sacreBLEU signature: {runs[0]['averaged']['signature']}"]
         picture(runs, os.path.join(out, "valid-nll.png"), "Multi30k En-De, validation NLL at each epoch's end",
                 lambda r: r["model"])
+        frontier(runs, os.path.join(out, "frontier-macs.png"), "macs_per_target_token", "MACs per target token (M)")
+        frontier(runs, os.path.join(out, "frontier-parameters.png"), "parameters", "parameters (M)")
     if sweep:
         picture(sweep, os.path.join(out, "sweep-valid-nll.png"), "The recipe sweeps, seed 1",
                 lambda r: f"{r['model']}, {r['recipe']}")
