@@ -28,8 +28,9 @@ from benchmarks.harness.fairseq_runs import fairseq_train, inner_wps
 from benchmarks.harness.host_reads import HostReads
 from benchmarks.harness.macs import forward_macs, routed_paths
 from benchmarks.harness.models import criterion_for, shape_model, synthetic_batch
-from benchmarks.harness.results import provenance, provenance_line, study_results, table, write_atomically, write_result
-from benchmarks.harness.timing import interleaved, ms, ratio, synchronize
+from benchmarks.harness.profiling import profile
+from benchmarks.harness.results import provenance, provenance_line, study_results, table, write_result
+from benchmarks.harness.timing import interleaved, ms, ratio
 from moa import experts
 from moa.experts import grouped_mm, looped_mm
 from moa.moa_attention import MixtureOfAttentionHeads
@@ -98,42 +99,10 @@ def module_table(device, tokens, rounds, seq=512):
     return rows
 
 
-# (kind, predicate on an operator's name): an operator counts under the first kind whose predicate holds
-OP_KINDS = [
-    ("grouped GEMM", lambda n: "grouped_mm" in n),
-    ("attention", lambda n: "attention" in n),
-    ("dense matmuls (router, shared K/V, the dense twin)", lambda n: n in ("aten::mm", "aten::addmm", "aten::bmm")),
-    ("top-k and sorting", lambda n: n in ("aten::topk", "aten::sort", "aten::argsort")),
-    ("gathers", lambda n: n in ("aten::index_select", "aten::gather", "aten::index", "aten::embedding")),
-    ("scatters", lambda n: n in ("aten::index_add_", "aten::index_copy_", "aten::index_copy", "aten::scatter",
-                                 "aten::scatter_", "aten::scatter_add_", "aten::index_put_", "aten::_index_put_impl_")),
-    ("copies and fills (padding, layouts)", lambda n: n in ("aten::copy_", "aten::fill_", "aten::zero_", "aten::cat",
-                                                            "aten::clone")),
-    ("plan arithmetic (counts, offsets)", lambda n: n in ("aten::cumsum", "aten::repeat_interleave", "aten::arange",
-                                                          "aten::floor_divide", "aten::remainder", "aten::bincount")),
-    ("the rest (softmax, elementwise)", lambda n: n.startswith("aten::")),
-]
-
-
-def op_kind(event):
-    """The kind of OP_KINDS a profiled operator's own time counts under: that of its nearest enclosing
-    grouped GEMM or attention operator (whose kernels a CPU runs as smaller operators), else its own."""
-    kind, parent = None, event
-    while parent is not None:
-        own = next((k for k, match in OP_KINDS if match(parent.name)), None)
-        if own in ("grouped GEMM", "attention"):
-            return own
-        kind = kind or own
-        parent = parent.cpu_parent
-    return kind
-
-
-def profile_table(device, tokens, out_dir, seq=512, steps=3):
+def profile_table(device, tokens, out_dir, run, seq=512, steps=3):
     """Device time by kind of operator and kernels launched, per forward and backward step, of the
-    16K32E256D module (grouped projections) and its dense multi-query twin; the whole operator tables go
-    to ``out_dir``/profile-*.txt."""
-    from torch.profiler import ProfilerActivity, profile
-
+    16K32E256D module (grouped projections) and its dense multi-query twin (harness.profiling); the whole
+    operator tables go to ``out_dir``/profile-*.txt."""
     num_experts, top_k, head_dim = CONFIGS["16K32E256D"]
     torch.manual_seed(0)
     moa_module = MixtureOfAttentionHeads(D_MODEL, num_experts, top_k, head_dim, self_attention=True,
@@ -142,32 +111,13 @@ def profile_table(device, tokens, out_dir, seq=512, steps=3):
     modules = {"MoA 16K32E256D": moa_module,
                "dense multi-query twin": MultiQueryAttention(D_MODEL, top_k, head_dim).to(device, torch.bfloat16)}
     x = torch.randn(seq, max(tokens // seq, 1), D_MODEL, device=device, dtype=torch.bfloat16, requires_grad=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     rows = []
     for name, module in modules.items():
-        module_step(module, x)  # warm up
-        synchronize(device)
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                module_step(module, x)
-            synchronize(device)
-        averages = prof.key_averages()
-        table = averages.table(sort_by="self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                               row_limit=60)
-        write_atomically(os.path.join(out_dir, f"profile-{name.split()[1] if name.startswith('MoA') else 'dense'}.txt"),
-                         table + "\n")
-        kinds = {kind: 0.0 for kind, _ in OP_KINDS}
-        for event in prof.events():
-            kind = op_kind(event)
-            if kind is not None:
-                time_us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
-                kinds[kind] += time_us / steps / 1e3
-        launches = (sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) if
-                    device.type == "cuda" else sum(e.count for e in averages if e.key.startswith("aten::")))
-        row = {"module": name, "tokens": x.size(0) * x.size(1), "ms_by_kind": kinds, "ms": sum(kinds.values()),
-               "launches_per_step": launches / steps, "launches_are": "kernels" if device.type == "cuda" else "aten ops"}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        path = os.path.join(out_dir, f"profile-{name.split()[1] if name.startswith('MoA') else 'dense'}.txt")
+        rows.append({"module": name, "tokens": x.size(0) * x.size(1),
+                     **profile(lambda m=module: module_step(m, x), path, f"{name}, forward and backward, bfloat16", run,
+                               device, steps)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -345,7 +295,7 @@ def main(argv=None):
               else "CPU (host reads counted in place of synchronisations)"}
     report["syncs"] = syncs(device)
     report["table"] = module_table(device, tokens, rounds)
-    report["profile"] = profile_table(device, tokens, os.path.dirname(os.path.abspath(out)))
+    report["profile"] = profile_table(device, tokens, os.path.dirname(os.path.abspath(out)), report["run"])
     if not args.skip_models:
         with tempfile.TemporaryDirectory(prefix="moa-gpu-models-") as work:
             report["models"] = whole_models(device, args.quick, work)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 from benchmarks.harness.corpora import COMMON_TRAINING, DEFAULT_MOA, SHAPE, multi30k_models as models, prepare_multi30k
-from benchmarks.harness.fairseq_runs import fairseq_train, translate_and_score
+from benchmarks.harness.fairseq_runs import fairseq_train, log_figures, translate_and_score
 from benchmarks.harness.macs import macs_per_target_token
 from benchmarks.harness.results import ROOT, provenance, study_results, write_atomically
 from benchmarks.multi30k.report import write_report
@@ -127,7 +127,7 @@ def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_p
         raise ToolError(f"{save_dir}: fairseq-train logged no validation; see its train-*.log")
     best_epoch = min(valid, key=lambda e: (valid[e]["loss"], e))  # fairseq's checkpoint_best: the lowest loss
     with open(os.path.join(save_dir, "train-1.log"), encoding="utf-8") as f:
-        params = int(re.search(r"num\. shared model params: ([\d,]+)", f.read()).group(1).replace(",", ""))
+        params = log_figures(f.read())["parameters"]
     row = {"pair": PAIR, "model_id": model_id, "moa_config": moa_config if model_id.startswith("moa") else None,
            "model": label, "seed": seed, "recipe": recipe, "recipe_flags": recipe_flags(recipe),
            "epoch_cap": epochs, "patience": PATIENCE, "stopped_by": "patience" if early else "epoch cap",

@@ -13,13 +13,12 @@ What each measures: benchmarks/speed/README.md.
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import moa  # noqa: F401  (registers the archs; imported before fairseq keeps fairseq's logging quiet)
 from benchmarks.harness.macs import moh_module_macs
 from benchmarks.harness.results import provenance, runs_lines, sectioned_report, study_results, table, write_result
-from benchmarks.harness.timing import interleaved, ms, ratio
+from benchmarks.harness.timing import interleaved, ms, ratio, seconds
 from fairseq.modules.multihead_attention import MultiheadAttention
 from moa import routed_attention
 from moa.models.build import build_from_args, dictionary_of_size, model_args
@@ -102,9 +101,7 @@ def step_times(model, bsz, context, steps):
     with torch.no_grad():
         for i in range(steps + 1):
             tokens = torch.randint(4, VOCABULARY, (bsz, context + 1 + i))
-            start = time.perf_counter()
-            model(tokens, incremental_state=state)
-            times.append(time.perf_counter() - start)
+            times.append(seconds(lambda: model(tokens, incremental_state=state)))
     held, allocated = cache_bytes(model, state)
     return times[1:], held, allocated
 

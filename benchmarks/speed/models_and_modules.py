@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import moa  # noqa: F401  (registers the plugin)
 from benchmarks.harness.macs import moa_module_macs, moh_module_macs
 from benchmarks.harness.models import SHAPES, beam_decode, criterion_for, shape_model, synthetic_batch, train_step
-from benchmarks.harness.results import (ROOT, provenance, runs_lines, sectioned_report, study_results, table,
-                                        write_atomically, write_result, provenance_line)
+from benchmarks.harness.profiling import profile
+from benchmarks.harness.results import ROOT, provenance, runs_lines, sectioned_report, study_results, table, write_result
 from benchmarks.harness.timing import interleaved, median_time, ms, ratio
 from benchmarks.speed.authors_style_moa import AuthorsStyleMoA
 from fairseq.modules.multihead_attention import MultiheadAttention
@@ -249,76 +249,10 @@ def side_by_side(shape, device, rounds, profile_dir=None):
         row["peak_memory_ratio"] = row["peak_mb"] / rows[0]["peak_mb"]
         row["saved_activations_ratio"] = row["saved_activations_mb"] / rows[0]["saved_activations_mb"]
     for (arch, job), run in jobs.items() if profile_dir else ():
-        profile_table(run, os.path.join(profile_dir, f"{shape}-{arch.replace('/', '-')}-{job}.txt"),
-                      f"{arch}, {job}: {bsz}x{length} training batch, beam-4 decoding of {sentences} "
-                      f"sentences forced to {length} tokens")
+        profile(run, os.path.join(profile_dir, f"{shape}-{arch.replace('/', '-')}-{job}.txt"),
+                f"{arch}, {job}: {bsz}x{length} training batch, beam-4 decoding of {sentences} sentences forced to "
+                f"{length} tokens", provenance("speed.models_and_modules"), device)
     return rows
-
-
-def profile_table(fn, path, title, row_limit=40):
-    """Run ``fn`` once under torch.profiler, with the routed modules' stages labelled, and write the
-    operator table (self CPU time first) and the stage table to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # warm
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with labelled_stages(), profile(activities=activities) as prof:
-        fn()
-    events = prof.key_averages()
-    stages = [e for e in events if e.key.startswith("moa:")]
-    total = sum(e.self_cpu_time_total for e in events)
-    lines = [f"# {title}", f"# {provenance_line(provenance('speed.models_and_modules'))}", "",
-             "## stages (inclusive CPU time of the labelled code, summed over calls)", ""]
-    for e in sorted(stages, key=lambda e: -e.cpu_time_total):
-        lines.append(f"{e.key:40s} {e.cpu_time_total / 1e3:9.2f} ms  {e.count:6d} calls  "
-                     f"{100 * e.cpu_time_total / max(total, 1):5.1f}% of the run")
-    lines += ["", f"total self CPU time: {total / 1e3:.2f} ms", "", "## operators", "",
-              events.table(sort_by="self_cpu_time_total", row_limit=row_limit)]
-    write_atomically(path, "\n".join(lines) + "\n")
-
-
-STAGES = {  # the code whose time the profile tables label, as "moa:<label>"
-    "moa.routing.TopKRouter.forward": "router (MoA)",
-    "moa.routing.TwoStageHeadRouter.forward": "router (MoH)",
-    "moa.routing.QueryNormHeadRouter.forward": "router (query-norm)",
-    "moa.dispatch.ExpertDispatch.__init__": "dispatch plan (MoA)",
-    "moa.dispatch.HeadPacking.__init__": "dispatch plan (MoH)",
-    "moa.experts.ExpertLinear.forward": "expert projections (MoA)",
-    "moa.experts.grouped_mm": "grouped GEMM (MoA/MoH)",
-    "moa.routed_attention.RoutedAttention.attention_core": "attention core (MoA/MoH)",
-    "moa.routed_attention.RoutedAttention.cached_key_value": "keys and values (MoA/MoH)",
-    "moa.routed_attention.RoutedAttention.forward": "routed attention module",
-    "fairseq.modules.multihead_attention.MultiheadAttention.forward": "multi-head attention module",
-    "fairseq.sequence_generator.SequenceGenerator._generate": "beam search",
-}
-
-
-class labelled_stages:
-    """Within the context, the methods of :data:`STAGES` run inside ``torch.profiler.record_function``."""
-
-    def __enter__(self):
-        import functools
-        import importlib
-
-        self.saved = []
-        for dotted, label in STAGES.items():
-            module_name, owner_name, attr = dotted.rsplit(".", 2)
-            owner = getattr(importlib.import_module(module_name), owner_name)
-            original = owner.__dict__[attr]
-            function = original.__func__ if isinstance(original, staticmethod) else original
-
-            def wrapper(*args, __f=function, __label=f"moa:{label}", **kwargs):
-                with torch.profiler.record_function(__label):
-                    return __f(*args, **kwargs)
-
-            wrapped = functools.wraps(function)(wrapper)
-            setattr(owner, attr, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
-            self.saved.append((owner, attr, original))
-        return self
-
-    def __exit__(self, *exc):
-        for owner, attr, original in reversed(self.saved):
-            setattr(owner, attr, original)
 
 
 def memory_child(shape, arch, device):
