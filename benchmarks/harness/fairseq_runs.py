@@ -18,19 +18,28 @@ def fairseq_train(data_bin, flags, save_dir, log_name="train.log", fresh=True):
                        "--save-dir", save_dir], os.path.join(save_dir, log_name))
 
 
+def epoch_stats(log):
+    """Per-epoch figures of a fairseq-train log (``--log-format simple``): ({epoch: train stats}, {epoch: valid
+    stats}, stopped early by patience?), each stats the {name: value} of that epoch's summary line."""
+    train, valid = {}, {}
+    for line in log.splitlines():
+        match = re.search(r"\| (train|valid) \| epoch (\d+) \|", line)
+        if match:
+            stats = {k: float(v) for k, v in re.findall(r"\| (\w+) ([-\d.]+)(?= \||$)", line.strip())}
+            (train if match.group(1) == "train" else valid)[int(match.group(2))] = stats
+    return train, valid, "early stop since valid performance hasn't improved" in log
+
+
 def log_figures(log):
-    """What a fairseq-train log (``--log-format simple``) says: the epochs' mean words/s (``wps``), the
-    last update, the parameters, the validation losses and {updates: validation NLL (bits)}."""
-    train = [line for line in log.splitlines() if "| train |" in line]
-    valid = [line for line in log.splitlines() if "| valid |" in line]
+    """What a fairseq-train log says: the epochs' words/s (``wps``), the last update, the parameters, the
+    validation losses and {updates: validation NLL (bits)}."""
+    train, valid, _ = epoch_stats(log)
     params = re.search(r"num\. shared model params: ([\d,]+)", log)
-    updates = [int(x) for x in re.findall(r"\| num_updates (\d+)", log)]
-    return {"wps": [float(x) for line in train for x in re.findall(r"\| wps ([\d.]+)", line)],
-            "updates": max(updates) if updates else 0,
+    return {"wps": [s["wps"] for s in train.values() if "wps" in s],
+            "updates": int(max((s.get("num_updates", 0) for s in [*train.values(), *valid.values()]), default=0)),
             "parameters": int(params.group(1).replace(",", "")) if params else None,
-            "valid_loss": [float(x) for line in valid for x in re.findall(r"\| loss ([\d.]+)", line)],
-            "valid_nll_by_updates": {int(u): float(n) for line in valid
-                                     for n, u in re.findall(r"\| nll_loss ([\d.]+) \|.*\| num_updates (\d+)", line)}}
+            "valid_loss": [s["loss"] for s in valid.values() if "loss" in s],
+            "valid_nll_by_updates": {int(s["num_updates"]): s["nll_loss"] for s in valid.values() if "nll_loss" in s}}
 
 
 def inner_wps(log):

@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 from benchmarks.harness.corpora import COMMON_TRAINING, DEFAULT_MOA, SHAPE, multi30k_models as models, prepare_multi30k
-from benchmarks.harness.fairseq_runs import fairseq_train, log_figures, translate_and_score
+from benchmarks.harness.fairseq_runs import epoch_stats as log_epoch_stats, fairseq_train, log_figures, translate_and_score
 from benchmarks.harness.macs import macs_per_target_token
 from benchmarks.harness.results import ROOT, provenance, study_results, write_atomically
 from benchmarks.multi30k.report import write_report
@@ -72,14 +72,12 @@ def epoch_stats(save_dir):
     """Per-epoch figures from every fairseq-train log of a run, later logs (a resume) overriding:
     ({epoch: train stats}, {epoch: valid stats}, stopped early by patience?)."""
     train, valid, early = {}, {}, False
-    for log in train_logs(save_dir):
-        with open(log, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                match = re.search(r"\| (train|valid) \| epoch (\d+) \|", line)
-                if match:
-                    stats = {k: float(v) for k, v in re.findall(r"\| (\w+) ([-\d.]+)(?= \||$)", line.strip())}
-                    (train if match.group(1) == "train" else valid)[int(match.group(2))] = stats
-                early |= "early stop since valid performance hasn't improved" in line
+    for path in train_logs(save_dir):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            more_train, more_valid, stopped = log_epoch_stats(f.read())
+        train.update(more_train)
+        valid.update(more_valid)
+        early |= stopped
     return train, valid, early
 
 
