@@ -78,9 +78,10 @@ def convert_and_continue(data_bin, workdir, seeds, updates, continue_updates, ru
             run_logged([fairseq_command("moa-convert-moh"), original, "--shared-heads", str(shared), "--top-k",
                         str(top_k), "--router", "query-norm", "--out", converted])
             state = load_checkpoint(converted)
-            # not trained here: its weights counted, a tied one once (fairseq's device marker left out)
+            # not trained here: its weights counted, a tied one once (fairseq's buffers left out: its device
+            # marker and its version number, both float tensors)
             weights = {t.data_ptr(): t for name, t in state["model"].items()
-                       if t.is_floating_point() and not name.endswith("_float_tensor")}
+                       if t.is_floating_point() and not name.endswith(("_float_tensor", ".version"))}
             label = f"converted to MoH {shared} + top-{top_k} of {4 - shared}, query-norm router"
             rows.append(scored(f"converted-{model_id}", label + ", as converted", seed, f"trained {updates} updates, "
                                "converted", run, "", 0.0, converted, data_bin, sum(t.numel() for t in weights.values())))
