@@ -7,7 +7,6 @@ Reads the checkpoints a ``benchmarks.multi30k.equal_time`` run left in WORKDIR (
 ``transformer`` of one pair and seed); what is measured: benchmarks/compute_dial/README.md.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -16,7 +15,7 @@ import torch
 
 from benchmarks.harness.fairseq_runs import translate_and_score
 from benchmarks.harness.macs import macs_per_target_token
-from benchmarks.harness.results import provenance, provenance_line, study_results, table, write_result
+from benchmarks.harness.results import provenance, provenance_line, study_parser, study_results, table, write_result
 from benchmarks.harness.timing import interleaved, ratio
 from moa_tools.textio import read_lines
 
@@ -70,8 +69,7 @@ def decode_timer(model, task, sources, batch_size=128):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.compute_dial", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("compute_dial", __doc__)
     parser.add_argument("--workdir", required=True, help="the --workdir of a benchmarks.multi30k.equal_time run")
     parser.add_argument("--pair", default="en-de", choices=["en-de", "en-fr"])
     parser.add_argument("--seed", type=int, default=1)

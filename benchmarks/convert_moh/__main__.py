@@ -7,7 +7,6 @@
 What is converted, how it continues and what is reported: benchmarks/convert_moh/README.md.
 """
 
-import argparse
 import json
 import os
 import re
@@ -20,7 +19,7 @@ import torch
 from benchmarks.harness.corpora import (MLM_SHAPE, SHAPE, SHORT_TRAINING, TRANSFORMER as TRANSFORMER_ARGS,
                                         mlm_perplexities, mlm_train, prepare_multi30k, prepare_wikitext)
 from benchmarks.harness.fairseq_runs import fairseq_train, log_figures, translate_and_score
-from benchmarks.harness.results import ROOT, provenance, provenance_line, study_results, write_result
+from benchmarks.harness.results import ROOT, provenance, provenance_line, study_parser, study_results, write_result
 from moa_tools import ToolError, run_tool
 from moa_tools.checkpoints import load_checkpoint, save_atomically
 from moa_tools.moh_conversion import continue_flags, convert
@@ -215,8 +214,7 @@ def markdown(translation_rows, mlm_rows, original):
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.convert_moh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("convert_moh", __doc__)
     parser.add_argument("--original", help="a trained Multi30k En-De transformer checkpoint, read with the data it "
                                            "was trained on (default: train one)")
     parser.add_argument("--minutes", type=float, default=11.0, help="training time of the original (default 11)")

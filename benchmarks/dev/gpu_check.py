@@ -11,7 +11,6 @@ the demo corpus: fairseq-train and fairseq-generate in bf16, time ratios beside 
 See benchmarks/dev/README.md.
 """
 
-import argparse
 import copy
 import json
 import os
@@ -29,7 +28,7 @@ from benchmarks.harness.host_reads import HostReads
 from benchmarks.harness.macs import forward_macs, routed_paths
 from benchmarks.harness.models import criterion_for, shape_model, synthetic_batch
 from benchmarks.harness.profiling import profile
-from benchmarks.harness.results import provenance, provenance_line, study_results, table, write_result
+from benchmarks.harness.results import provenance, provenance_line, study_parser, study_results, table, write_result
 from benchmarks.harness.timing import interleaved, ms, ratio
 from moa import experts
 from moa.experts import grouped_mm, looped_mm
@@ -274,8 +273,7 @@ def markdown(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.dev.gpu_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("dev.gpu_check", __doc__)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=7)

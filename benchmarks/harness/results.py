@@ -120,3 +120,11 @@ def table(header, rows) -> list:
     """A Markdown table's lines: ``header`` names the columns, each row gives their cells (any values)."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
         ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def study_parser(module: str, doc: str):
+    """The command line of ``python -m benchmarks.MODULE``, its help headed by the script's docstring."""
+    import argparse
+
+    return argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)

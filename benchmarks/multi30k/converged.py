@@ -16,7 +16,6 @@ run writes its row to results/converged/runs/ (sweep runs to sweep/); ``--commit
 The recipe, the sweep and the rules: benchmarks/multi30k/README.md.
 """
 
-import argparse
 import datetime
 import glob
 import json
@@ -29,7 +28,7 @@ import sys
 from benchmarks.harness.corpora import COMMON_TRAINING, DEFAULT_MOA, SHAPE, multi30k_models as models, prepare_multi30k
 from benchmarks.harness.fairseq_runs import epoch_stats as log_epoch_stats, fairseq_train, log_figures, translate_and_score
 from benchmarks.harness.macs import macs_per_target_token
-from benchmarks.harness.results import ROOT, provenance, study_results, write_atomically
+from benchmarks.harness.results import ROOT, provenance, study_parser, study_results, write_atomically
 from benchmarks.multi30k.report import write_report
 from moa_tools import ToolError, fairseq_command, run_logged, run_tool
 
@@ -254,8 +253,7 @@ def commit(path, message):
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.multi30k.converged", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("multi30k.converged", __doc__)
     parser.add_argument("--sweep", action="store_true",
                         help="train --models (default the Transformer), seed 1, with every recipe of the sweep")
     parser.add_argument("--report", action="store_true", help="train nothing: write the tables and the picture")

@@ -8,7 +8,6 @@
 The models, data, budget and what is reported: benchmarks/multi30k/README.md.
 """
 
-import argparse
 import json
 import os
 import re
@@ -21,7 +20,8 @@ import torch
 from benchmarks.harness.corpora import DEFAULT_MOA, SHAPE, SHORT_TRAINING as TRAINING, multi30k_models, prepare_multi30k
 from benchmarks.harness.fairseq_runs import fairseq_train, log_figures, translate_and_score
 from benchmarks.harness.macs import macs_per_target_token
-from benchmarks.harness.results import ROOT, provenance, provenance_line, study_results, table, write_result
+from benchmarks.harness.results import (ROOT, provenance, provenance_line, study_parser, study_results, table,
+                                        write_result)
 from moa_tools import ToolError, run_tool
 
 MODELS = multi30k_models()
@@ -113,8 +113,7 @@ def combined(paths):
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.multi30k.equal_time", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("multi30k.equal_time", __doc__)
     parser.add_argument("--pairs", nargs="+", default=["en-de", "en-fr"], choices=["en-de", "en-fr"])
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=float, help="equal training wall time per model (default 11)")

@@ -10,7 +10,6 @@ and --bf16 runs alternating), ``decode`` (beam-4 decoding in each dtype), ``modu
 forward and backward at d_model 512, 4,096 tokens). What each measures: benchmarks/speed/README.md.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -22,7 +21,8 @@ import moa  # noqa: F401  (registers the plugin)
 from benchmarks.harness.corpora import prepare_multi30k
 from benchmarks.harness.fairseq_runs import fairseq_train, inner_wps
 from benchmarks.harness.models import SMALL, beam_decode, dictionary_folder, shape_model, synthetic_batch
-from benchmarks.harness.results import provenance, runs_lines, sectioned_report, study_results, table, write_result
+from benchmarks.harness.results import (provenance, runs_lines, sectioned_report, study_parser, study_results, table,
+                                        write_result)
 from benchmarks.harness.timing import interleaved, ms, ratio
 
 SECTIONS = ("trainer", "fairseq-train", "decode", "modules")
@@ -181,8 +181,7 @@ def markdown(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed.bf16", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("speed.bf16", __doc__)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--models", nargs="+", choices=list(ARCHS), default=list(ARCHS))
     parser.add_argument("--rounds", type=int, default=5)

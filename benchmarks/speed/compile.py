@@ -9,7 +9,6 @@ decoding of 32 sentences forced to 16 tokens, every routed attention module comp
 from an empty cache) is reported apart; then medians of interleaved rounds.
 """
 
-import argparse
 import json
 import os
 import tempfile
@@ -18,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from benchmarks.harness.models import beam_decode, shape_model, synthetic_batch, train_step
-from benchmarks.harness.results import provenance, provenance_line, study_results, table, write_result
+from benchmarks.harness.results import provenance, provenance_line, study_parser, study_results, table, write_result
 from benchmarks.harness.timing import interleaved, ms, ratio, seconds
 from moa.routed_attention import compile_routed_attention
 
@@ -32,8 +31,7 @@ def job(arch, compiled, dtype, kind):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed.compile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("speed.compile", __doc__)
     parser.add_argument("--models", nargs="+", default=["moa_small", "moh_small"])
     parser.add_argument("--jobs", nargs="+", choices=["train", "decode"], default=["train", "decode"])
     parser.add_argument("--rounds", type=int, default=5)

@@ -10,14 +10,14 @@ Sections: ``decode`` (one decoding step of whole LMs after --contexts cached tok
 What each measures: benchmarks/speed/README.md.
 """
 
-import argparse
 import json
 import statistics
 
 import torch
 import moa  # noqa: F401  (registers the archs; imported before fairseq keeps fairseq's logging quiet)
 from benchmarks.harness.macs import moh_module_macs
-from benchmarks.harness.results import provenance, runs_lines, sectioned_report, study_results, table, write_result
+from benchmarks.harness.results import (provenance, runs_lines, sectioned_report, study_parser, study_results, table,
+                                        write_result)
 from benchmarks.harness.timing import interleaved, ms, ratio, seconds
 from fairseq.modules.multihead_attention import MultiheadAttention
 from moa import routed_attention
@@ -243,8 +243,7 @@ def markdown(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed.lm_decoding", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("speed.lm_decoding", __doc__)
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--contexts", nargs="+", type=int, default=[256, 1024, 4096, 8192])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])

@@ -26,7 +26,8 @@ import moa  # noqa: F401  (registers the plugin)
 from benchmarks.harness.macs import moa_module_macs, moh_module_macs
 from benchmarks.harness.models import SHAPES, beam_decode, criterion_for, shape_model, synthetic_batch, train_step
 from benchmarks.harness.profiling import profile
-from benchmarks.harness.results import ROOT, provenance, runs_lines, sectioned_report, study_results, table, write_result
+from benchmarks.harness.results import (ROOT, provenance, runs_lines, sectioned_report, study_parser, study_results,
+                                        table, write_result)
 from benchmarks.harness.timing import interleaved, median_time, ms, ratio
 from benchmarks.speed.authors_style_moa import AuthorsStyleMoA
 from fairseq.modules.multihead_attention import MultiheadAttention
@@ -343,8 +344,7 @@ def markdown(report):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.speed.models_and_modules", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("speed.models_and_modules", __doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="a few shapes, 2 repeats and rounds, no base models")
     parser.add_argument("--repeats", type=int, default=5)

@@ -9,7 +9,6 @@ trained ``transformer_lm_small`` converted to MoH and trained on, against the or
 The data, models, budgets and tables: benchmarks/wikitext/README.md.
 """
 
-import argparse
 import os
 import re
 import sys
@@ -17,7 +16,7 @@ import time
 
 from benchmarks.harness.corpora import prepare_wikitext
 from benchmarks.harness.fairseq_runs import fairseq_train
-from benchmarks.harness.results import ROOT, provenance, study_results
+from benchmarks.harness.results import ROOT, provenance, study_parser, study_results
 from benchmarks.wikitext.mlm import measured_row, write_report
 from moa_tools import USER_DIR, ToolError, fairseq_command, run_logged, run_tool
 from moa_tools.checkpoints import load_checkpoint
@@ -97,8 +96,7 @@ def convert_and_continue(data_bin, workdir, seeds, updates, continue_updates, ru
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.wikitext.lm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("wikitext.lm", __doc__)
     parser.add_argument("--updates", type=int, default=300, help="updates per model and the schedule's length")
     parser.add_argument("--minutes", type=float, help="equal training wall time per model instead")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))

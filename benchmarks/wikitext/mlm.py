@@ -9,7 +9,6 @@ The data, models, budgets and tables: benchmarks/wikitext/README.md. Rows alread
 models, seeds or budgets stay, so runs made one at a time build one table.
 """
 
-import argparse
 import json
 import math
 import os
@@ -20,7 +19,8 @@ import time
 
 from benchmarks.harness.corpora import DEFAULT_MOA, MLM_SHAPE, mlm_models, mlm_perplexities, mlm_train, prepare_wikitext
 from benchmarks.harness.fairseq_runs import log_figures
-from benchmarks.harness.results import ROOT, provenance, provenance_line, study_results, table, write_result
+from benchmarks.harness.results import (ROOT, provenance, provenance_line, study_parser, study_results, table,
+                                        write_result)
 from moa_tools import run_tool
 
 DEFAULT_MODELS = ["moa", "moh", "transformer"]
@@ -29,8 +29,7 @@ TITLE = ("MLM on WikiText-2 text, {cpus} CPUs, batches of 16 x 256-token samples
 
 
 def _main(argv):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.wikitext.mlm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = study_parser("wikitext.mlm", __doc__)
     parser.add_argument("--updates", type=int, default=600,
                         help="updates per model, and the length of the learning-rate schedule (default 600)")
     parser.add_argument("--minutes", type=float,
