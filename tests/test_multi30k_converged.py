@@ -121,7 +121,7 @@ def test_a_reproduction_resumes_its_own_folders_refuses_others_and_records_each_
     comparison = json.loads(open(path).read())
     assert comparison["valid_nll_by_epoch"]["2"] == {"fresh": 3.998, "recorded": 4.0}
     assert round(comparison["largest_difference_bits"], 6) == 0.004 and comparison["within_tolerance"]
-    assert reproduced_table([comparison])[-1] == f"| {name} | 2 | 0.004 | yes (0.01) | 1 | abc | def |"
+    assert reproduced_table([comparison])[-1] == f"| {name} | 2 | 0.004 | yes (0.01) | 1 | abc | def | default, default |"
 
     args.workdir, offset = str(tmp_path / "drifted"), 0.02
     with pytest.raises(ToolError, match="0.020 bits"):

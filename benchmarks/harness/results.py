@@ -40,7 +40,8 @@ def study_results(study: str, *parts: str) -> str:
 def provenance(module: str, argv=None) -> dict:
     """What made a result: the command line (``python -m benchmarks.MODULE ARGS``), the commit of this
     checkout (``+changes`` when it had uncommitted changes to tracked files), torch, fairseq and Python
-    versions, the machine and the time. Every result file and row carries one."""
+    versions, the machine, torch's intra-op threads (a float sum's order, and so a long run's last digits,
+    depends on them) and the time. Every result file and row carries one."""
     import fairseq
     import torch
 
@@ -56,7 +57,8 @@ def provenance(module: str, argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     return {"command": shlex.join(["python", "-m", f"benchmarks.{module}", *argv]), "commit": commit,
             "torch": torch.__version__, "fairseq": fairseq.__version__, "python": platform.python_version(),
-            "machine": machine(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+            "machine": machine(), "threads": torch.get_num_threads(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
 def machine() -> str:
@@ -78,7 +80,8 @@ def machine() -> str:
 def provenance_line(run: dict) -> str:
     """One Markdown line that says what :func:`provenance` recorded."""
     return (f"Written by `{run['command']}` at commit {run['commit']} (torch {run['torch']}, fairseq "
-            f"{run['fairseq']}, Python {run['python']}) on {run['machine']}, {run['date']}.")
+            f"{run['fairseq']}, Python {run['python']}) on {run['machine']}"
+            + (f", {run['threads']} threads" if "threads" in run else "") + f", {run['date']}.")
 
 
 def write_atomically(path: str, text: str) -> None:

@@ -65,10 +65,11 @@ def runs_table(runs):
 
 def reproduced_table(comparisons):
     return table(["run", "epochs trained afresh", "largest difference in valid NLL (bits)", "within tolerance", "calls",
-                  "recorded at commit", "reproduced at commit"],
+                  "recorded at commit", "reproduced at commit", "threads (recorded, reproduced)"],
                  [[os.path.basename(c["recorded_row"])[:-5], c["epochs"], f"{c['largest_difference_bits']:.3f}",
                    f"{'yes' if c['within_tolerance'] else 'no'} ({c['tolerance_bits']})", c["segments"],
-                   c["recorded_run"]["commit"][:7], c["run"]["commit"][:7]] for c in comparisons])
+                   c["recorded_run"]["commit"][:7], c["run"]["commit"][:7],
+                   f"{c['recorded_run'].get('threads', 'default')}, {c['run'].get('threads', 'default')}"] for c in comparisons])
 
 
 def differences(runs, model_id, moa_config, baseline="transformer"):
