@@ -83,6 +83,17 @@ def train_step(model, arch, sample, optimizer=True):
     return step
 
 
+def cached_attention_step(module, state, step):
+    """A job that runs one incremental step of attention ``module`` on ``step`` (1 x batch x dim) after the
+    keys and values already cached in ``state``, from a fresh copy of that cache each time."""
+    def run():
+        with torch.no_grad():
+            module(step, step, step, incremental_state={key: dict(value) for key, value in state.items()},
+                   need_weights=False)
+
+    return run
+
+
 def beam_decode(model, sample, sentences, length, beam=4):
     """Beam-``beam`` decoding of the first ``sentences`` sources, every hypothesis forced to ``length`` tokens."""
     from fairseq.sequence_generator import SequenceGenerator

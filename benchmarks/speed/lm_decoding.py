@@ -16,6 +16,7 @@ import statistics
 import torch
 import moa  # noqa: F401  (registers the archs; imported before fairseq keeps fairseq's logging quiet)
 from benchmarks.harness.macs import moh_module_macs
+from benchmarks.harness.models import cached_attention_step
 from benchmarks.harness.results import (provenance, runs_lines, sectioned_report, study_parser, study_results, table,
                                         write_result)
 from benchmarks.harness.timing import interleaved, ms, ratio, seconds
@@ -172,13 +173,7 @@ def decode_step_job(module, bsz, context):
     for name in ("prev_key", "prev_value"):
         fill_store(buffer, name, module.time_dim, context, 64)
     module._set_input_buffer(state, buffer)
-    step = torch.randn(1, bsz, dim)
-
-    def run():
-        with torch.no_grad():
-            module(step, step, step, incremental_state={key: dict(value) for key, value in state.items()},
-                   need_weights=False)
-    return run
+    return cached_attention_step(module, state, torch.randn(1, bsz, dim))
 
 
 def crossover_section(contexts, rounds, repeats):

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 import moa  # noqa: F401  (registers the plugin)
 from benchmarks.harness.macs import moa_module_macs, moh_module_macs
-from benchmarks.harness.models import SHAPES, beam_decode, criterion_for, shape_model, synthetic_batch, train_step
+from benchmarks.harness.models import (SHAPES, beam_decode, cached_attention_step, criterion_for, shape_model,
+                                       synthetic_batch, train_step)
 from benchmarks.harness.profiling import profile
 from benchmarks.harness.results import (ROOT, provenance, runs_lines, sectioned_report, study_parser, study_results,
                                         table, write_result)
@@ -191,18 +192,11 @@ def crossover(device, repeats, token_counts, seq=16):
 
 
 def decode_step(module, prefix, step):
-    """A job that runs one incremental step of ``module`` (query ``step``) after the cached ``prefix``,
-    each time from the same cache."""
+    """A job that runs one incremental step of ``module`` (query ``step``) after the cached ``prefix``."""
     state = {}
     with torch.no_grad():
         module(prefix, prefix, prefix, incremental_state=state, need_weights=False)
-
-    def run():
-        with torch.no_grad():
-            module(step, step, step, incremental_state={key: dict(value) for key, value in state.items()},
-                   need_weights=False)
-
-    return run
+    return cached_attention_step(module, state, step)
 
 
 def kv_cache_bytes_per_token_layer(model, device, bsz=4, steps=8):
