@@ -75,6 +75,9 @@ def test_verdicts_pair_each_seed_with_its_own_transformer_and_say_whether_the_si
                                  "at 1.00x the MACs of transformer")
     assert verdict(differences(runs, "moh", None)).startswith("one seed only (+1.00 sacreBLEU")
     assert verdict(differences(runs, "moa", "4K4E128D")) == "not measured yet"
+    runs += [row("moa", 1, 2.0, 36.5, 35.0, "4K4E64D", 0.9)]  # a MoA configuration as the baseline: same seed, same config
+    assert [(s, round(n, 3), a) for s, n, a, _, _ in differences(runs, "moa", "4K8E64D", "moa 4K4E64D")] == [(1, 0.1, -1.5)]
+    assert differences(runs, "moa", "4K8E64D", "moa 4K16E64D") == []
 
 
 def test_the_experts_slope_is_fitted_per_doubling_over_the_seeds_every_count_has():

@@ -25,6 +25,8 @@ QUESTIONS = [("MoA 4K8E64D against the Transformer", "moa", "4K8E64D", "transfor
              ("MoA 4K8E64D against the Transformer of its cost (FFN 768)", "moa", "4K8E64D", "transformer-narrow"),
              ("MoA 4K4E64D (every expert on every token) against the Transformer of its cost", "moa", "4K4E64D",
               "transformer-narrow"),
+             ("MoA 4K8E64D (4 of 8 experts chosen per token) against MoA 4K4E64D (no choice, the same cost)", "moa",
+              "4K8E64D", "moa 4K4E64D"),
              ("MoA 4K16E64D against the Transformer", "moa", "4K16E64D", "transformer"),
              ("MoA 4K32E64D against the Transformer", "moa", "4K32E64D", "transformer"),
              ("MoA 4K4E128D (the paper base's proportions) against the Transformer", "moa", "4K4E128D", "transformer"),
@@ -74,8 +76,11 @@ def reproduced_table(comparisons):
 
 def differences(runs, model_id, moa_config, baseline="transformer"):
     """[(seed, valid NLL difference, averaged sacreBLEU difference, best-checkpoint sacreBLEU difference,
-    MACs ratio)] of one model to the ``baseline`` model of the same seed and recipe."""
-    transformers = {(r["seed"], r["recipe"]): r for r in runs if r["model_id"] == baseline}
+    MACs ratio)] of one model to the ``baseline`` model of the same seed and recipe (``baseline``: a model id,
+    or a model id and a MoA configuration, e.g. ``moa 4K4E64D``)."""
+    baseline_id, _, baseline_config = baseline.partition(" ")
+    transformers = {(r["seed"], r["recipe"]): r for r in runs
+                    if r["model_id"] == baseline_id and (not baseline_config or r["moa_config"] == baseline_config)}
     out = []
     for r in runs:
         if r["model_id"] != model_id or r["moa_config"] != moa_config or (r["seed"], r["recipe"]) not in transformers:
