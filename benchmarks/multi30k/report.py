@@ -79,13 +79,13 @@ def differences(runs, model_id, moa_config, baseline="transformer"):
     MACs ratio)] of one model to the ``baseline`` model of the same seed and recipe (``baseline``: a model id,
     or a model id and a MoA configuration, e.g. ``moa 4K4E64D``)."""
     baseline_id, _, baseline_config = baseline.partition(" ")
-    transformers = {(r["seed"], r["recipe"]): r for r in runs
-                    if r["model_id"] == baseline_id and (not baseline_config or r["moa_config"] == baseline_config)}
+    baselines = {(r["seed"], r["recipe"]): r for r in runs
+                 if r["model_id"] == baseline_id and (not baseline_config or r["moa_config"] == baseline_config)}
     out = []
     for r in runs:
-        if r["model_id"] != model_id or r["moa_config"] != moa_config or (r["seed"], r["recipe"]) not in transformers:
+        if r["model_id"] != model_id or r["moa_config"] != moa_config or (r["seed"], r["recipe"]) not in baselines:
             continue
-        t = transformers[(r["seed"], r["recipe"])]
+        t = baselines[(r["seed"], r["recipe"])]
         out.append((r["seed"], r["best_valid_nll"] - t["best_valid_nll"],
                     r["averaged"]["sacrebleu"] - t["averaged"]["sacrebleu"], r["best"]["sacrebleu"] - t["best"]["sacrebleu"],
                     r["macs_per_target_token"] / t["macs_per_target_token"]))
