@@ -180,6 +180,7 @@ def test_converged_study_smoke_trains_scores_skips_and_reports(tmp_path):
         assert (row["epoch_cap"], row["epochs"], row["stopped_by"]) == (2, 2, "epoch cap")
         assert set(row["valid_nll_by_epoch"]) == {"1", "2"} and row["best_valid_nll"] > 0
         assert 0 <= row["averaged"]["sacrebleu"] <= 100 and row["best"]["translated"] == 100
+        assert row["segment_commits"] == [row["run"]["commit"]]  # one fairseq-train call, at this checkout
     assert rows["moa-4K8E64D"]["macs_per_target_token"] < rows["transformer"]["macs_per_target_token"]
     assert (work / "converged" / "moa-4K8E64D-seed1-lr2e-3-warmup1000-tokens2048" / "averaged-last2.pt").is_file()
     again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from benchmarks.multi30k import converged as study
-from benchmarks.multi30k.report import differences, experts_slope, reproduced_table, verdict
+from benchmarks.multi30k.report import differences, experts_slope, reproduced_table, resumed_across_commits, verdict
 from moa_tools import ToolError
 
 LINE = ("2026-12-04 05:{minute:02d}:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "
@@ -31,8 +31,14 @@ def test_epoch_figures_come_from_every_log_of_a_run_a_resume_overriding(tmp_path
         log("train", 4, 5.4, tail=" | train_wall 171") + log("valid", 4, 4.95, nll=4.35) +
         "2026-12-04 05:20:00 | INFO | fairseq_cli.train | early stop since valid performance hasn't improved for "
         "last 1 runs\n")
+    (tmp_path / "train-2.commit").write_text("abc\n")  # the resume's commit; the first call predates the record
     train, valid, early = study.epoch_stats(str(tmp_path))
     assert sorted(valid) == [1, 2, 3, 4] and early
+    assert study.segment_commits(str(tmp_path)) == [None, "abc"]
+    rows = [{"model": "m", "seed": 1, "recipe": "r", "segment_commits": [None, "abcdef0123"]},
+            {"model": "m", "seed": 2, "recipe": "r", "segment_commits": ["abc", "abc"]}, {"model": "m"}]
+    assert resumed_across_commits(rows) == ["- m, seed 1, r: resumed across commits, its fairseq-train calls at "
+                                            "unrecorded, abcdef0"]
     assert valid[3]["nll_loss"] == 4.3 and valid[4]["num_updates"] == 1020
     assert [train[e]["train_wall"] for e in (1, 2, 3, 4)] == [170, 400, 170, 171]
     # wall time: 05:04 to 05:10 in the killed call (no line after its kill), 05:12 to 05:20 in the resume
@@ -70,9 +76,13 @@ def test_verdicts_pair_each_seed_with_its_own_transformer_and_say_whether_the_si
     worse = [(1, 0.1, -1.0, -0.5, 0.9), (2, 0.2, -2.0, -1.0, 0.8)]
     assert verdict(worse) == ("worse in every seed: by 1.50 sacreBLEU on average over 2 seeds (-1.00, -2.00); "
                               "validation NLL +0.150 bits (same sign in every seed); at 0.85x the MACs of transformer")
-    tie = [(1, 0.01, -1.0, -0.5, 1.0), (2, 0.02, -2.0, -1.0, 1.0)]
-    assert verdict(tie).endswith("validation NLL +0.015 bits (same sign in every seed), a tie (under 0.02 bits); "
-                                 "at 1.00x the MACs of transformer")
+    tie = [(1, 0.01, -1.0, -0.5, 1.0), (2, 0.015, -2.0, -1.0, 1.0)]
+    assert verdict(tie).endswith("validation NLL +0.013 bits (same sign in every seed), a tie (under 0.02 bits in "
+                                 "every seed); at 1.00x the MACs of transformer")
+    # a mean under the bar is no tie while one seed alone is over it
+    mixed = [(1, -0.006, -0.2, -0.5, 1.0), (2, 0.042, -0.6, -1.0, 1.0)]
+    assert verdict(mixed).endswith("validation NLL +0.018 bits (sign differs between seeds), under 0.02 bits in "
+                                   "seed 1 only, so not a tie; at 1.00x the MACs of transformer")
     assert verdict(differences(runs, "moh", None)).startswith("one seed only (+1.00 sacreBLEU")
     assert verdict(differences(runs, "moa", "4K4E128D")) == "not measured yet"
     runs += [row("moa", 1, 2.0, 36.5, 35.0, "4K4E64D", 0.9)]  # a MoA configuration as the baseline: same seed, same config

@@ -80,13 +80,30 @@ def epoch_stats(save_dir):
     return train, valid, early
 
 
-def train(model_args, recipe, seed, epochs, save_dir, data_dir):
+def train(model_args, recipe, seed, epochs, save_dir, data_dir, commit):
     """fairseq-train to ``epochs`` (or patience), resuming from ``save_dir``'s checkpoints; each call
-    logs to the next train-N.log."""
+    logs to the next train-N.log and writes the ``commit`` it trains at beside it (train-N.commit)."""
+    segment = len(train_logs(save_dir)) + 1
+    os.makedirs(save_dir, exist_ok=True)
+    write_atomically(os.path.join(save_dir, f"train-{segment}.commit"), commit + "\n")
     fairseq_train(os.path.join(data_dir, "data-bin"), [*SHAPE, *model_args, *COMMON_TRAINING, *recipe_flags(recipe),
                                                        "--seed", str(seed), "--max-epoch", str(epochs),
                                                        "--patience", str(PATIENCE), "--keep-last-epochs", str(AVERAGE)],
-                  save_dir, f"train-{len(train_logs(save_dir)) + 1}.log", fresh=False)
+                  save_dir, f"train-{segment}.log", fresh=False)
+
+
+def segment_commits(save_dir):
+    """The commit each fairseq-train call of a run trained at, in order (None where a call predates
+    train-N.commit)."""
+    commits = []
+    for log in train_logs(save_dir):
+        path = log[:-len(".log")] + ".commit"
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                commits.append(f.read().strip())
+        else:
+            commits.append(None)
+    return commits
 
 
 def elapsed_seconds(save_dir):
@@ -118,7 +135,7 @@ def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_p
     save_dir = os.path.join(workdir, "converged", name)
     _, _, early = epoch_stats(save_dir) if os.path.isdir(save_dir) else ({}, {}, False)
     if not early:  # a run stopped by patience is finished whatever the cap: resuming it would train on
-        train(model_args, recipe, seed, epochs, save_dir, data_dir)
+        train(model_args, recipe, seed, epochs, save_dir, data_dir, run["commit"])
     train_stats, valid, early = epoch_stats(save_dir)
     if not valid:
         raise ToolError(f"{save_dir}: fairseq-train logged no validation; see its train-*.log")
@@ -135,6 +152,7 @@ def run_one(model_id, moa_config, seed, recipe, epochs, data_dir, workdir, row_p
                                   for e, v in sorted(valid.items())},
            "train_wall_s": sum(s.get("train_wall", 0.0) for s in train_stats.values()),
            "elapsed_s": elapsed_seconds(save_dir), "segments": len(train_logs(save_dir)),
+           "segment_commits": segment_commits(save_dir),
            "train_words_per_s": statistics.median(s["wps"] for s in train_stats.values()),
            "parameters": params, "run": run}
     if score:

@@ -18,7 +18,7 @@ import statistics
 
 from benchmarks.harness.results import provenance, provenance_line, table, write_atomically
 
-NLL_TIE = 0.02  # bits of validation NLL: a smaller mean difference is a tie, not a finding
+NLL_TIE = 0.02  # bits of validation NLL: smaller in every seed is a tie, not a finding
 # (question, model id, MoA configuration or None, the model it is compared with, of the same seed and recipe)
 QUESTIONS = [("MoA 4K8E64D against the Transformer", "moa", "4K8E64D", "transformer"),
              ("MoH 75% against the Transformer", "moh", None, "transformer"),
@@ -106,14 +106,25 @@ def verdict(diffs, baseline="transformer"):
     seeds = f"{len(diffs)} seeds ({', '.join(f'{b:+.2f}' for b in bleu)})"
     nll_words = (f"validation NLL {statistics.mean(nll):+.3f} bits"
                  f" ({'same sign in every seed' if same_nll else 'sign differs between seeds'})")
-    if abs(statistics.mean(nll)) < NLL_TIE:
-        nll_words += f", a tie (under {NLL_TIE} bits)"
+    ties = [d[0] for d in diffs if abs(d[1]) < NLL_TIE]
+    if len(ties) == len(diffs):
+        nll_words += f", a tie (under {NLL_TIE} bits in every seed)"
+    elif ties:
+        nll_words += f", under {NLL_TIE} bits in seed {', '.join(map(str, ties))} only, so not a tie"
     if not same_bleu:
         return (f"no consistent difference: {statistics.mean(bleu):+.2f} sacreBLEU on average over {seeds}, "
                 f"the sign differs between seeds; {nll_words}")
     word = "better" if bleu[0] > 0 else "worse"
     return (f"{word} in every seed: by {abs(statistics.mean(bleu)):.2f} sacreBLEU on average over {seeds}; "
             f"{nll_words}; at {statistics.mean(d[4] for d in diffs):.2f}x the MACs of {baseline}")
+
+
+def resumed_across_commits(rows):
+    """A line for each row whose fairseq-train calls (a run resumed across sessions) trained at different
+    commits, naming each call's commit in order."""
+    return [f"- {r['model']}, seed {r['seed']}, {r['recipe']}: resumed across commits, its fairseq-train calls at "
+            f"{', '.join(c[:7] if c else 'unrecorded' for c in r['segment_commits'])}"
+            for r in rows if len(set(r.get("segment_commits") or [])) > 1]
 
 
 def experts_slope(runs, baseline="transformer"):
@@ -257,6 +268,7 @@ def write_report(out, recipe, recipes):
     made = sorted({(run["command"], run["commit"], run["torch"], run["machine"])
                    for r in sweep + runs + reproduced for run in (r["run"], r.get("macs_run")) if run})
     lines += ["", "The rows were trained (and their MACs counted) by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
+    lines += resumed_across_commits(sweep + runs)
     lines += ["", made_by]
     text = "\n".join(lines) + "\n"
     write_atomically(os.path.join(out, "converged.md"), text)
