@@ -8,7 +8,8 @@ import math
 import pytest
 
 from benchmarks.multi30k import converged as study
-from benchmarks.multi30k.report import differences, experts_slope, reproduced_table, resumed_across_commits, verdict
+from benchmarks.multi30k.report import (differences, experts_slope, reproduced_table, resumed_across_commits, sweep_table,
+                                        verdict)
 from moa_tools import ToolError
 
 LINE = ("2026-12-04 05:{minute:02d}:00 | INFO | {kind} | epoch {epoch:03d} | loss {loss} | nll_loss {nll} | ppl 9.1 | wps {wps} | "
@@ -149,12 +150,15 @@ def test_the_sweep_row_of_the_study_recipe_is_the_study_runs_first_epochs(tmp_pa
     recorded = tmp_path / "runs" / "moa-4K8E64D-seed1-r.json"
     recorded.parent.mkdir()
     recorded.write_text(json.dumps({"model_id": "moa", "epoch_cap": 20, "epochs": 3, "stopped_by": "epoch cap",
-                                    "valid_nll_by_epoch": by_epoch, "averaged": {}, "train_words_per_s": 1.0}))
+                                    "valid_nll_by_epoch": by_epoch, "averaged": {}, "train_words_per_s": 1.0,
+                                    "train_wall_s": 900.0, "recipe": "r", "recipe_flags": study.recipe_flags(study.RECIPE)}))
     swept = tmp_path / "sweep" / "moa-4K8E64D-seed1-r.json"
     study.sweep_row_from_study(str(recorded), str(swept))
     row = json.loads(swept.read_text())
     assert (row["epochs"], row["best_epoch"], row["best_valid_nll"], row["updates"]) == (2, 2, 3.6, 510)
     assert sorted(row["valid_nll_by_epoch"]) == ["1", "2"] and "averaged" not in row
     assert study.finished_row(str(swept), 2)  # the sweep skips it
+    # the report's sweep table takes it too: its training minutes are the study run's, not its own
+    assert sweep_table([row], 4)[-1].endswith("| 3.600 | 2 | in the study run |")
     study.sweep_row_from_study(str(tmp_path / "runs" / "absent.json"), str(tmp_path / "sweep" / "absent.json"))
     assert not (tmp_path / "sweep" / "absent.json").exists()

@@ -319,6 +319,9 @@ def _main(argv):
         for model_id, _, name, _, row_path, _ in plan:
             if name == RECIPE and not os.path.exists(row_path):
                 sweep_row_from_study(os.path.join(args.out, "runs", os.path.basename(row_path)), row_path)
+                if args.commit and os.path.exists(row_path):
+                    commit(row_path, f"multi30k-converged: {os.path.basename(row_path)[:-5]} sweep row taken from "
+                                     f"the study run's first {SWEEP_EPOCHS} epochs")
     else:
         args.models = args.models or REQUIRED_MODELS
         plan = [(model_id, seed, recipe, 2 if args.smoke else EPOCHS,

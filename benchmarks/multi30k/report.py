@@ -49,7 +49,7 @@ def sweep_table(sweep, recipes):
         mark = (" (lowest)" if len(sweep) == recipes else " (lowest so far)") if r is best else ""
         cells.append([r["recipe"] + mark, flags["--lr"], flags["--warmup-updates"], flags["--max-tokens"],
                       flags["--dropout"], r["epochs"], r["updates"], f"{r['best_valid_nll']:.3f}", r["best_epoch"],
-                      f"{r['train_wall_s'] / 60:.0f}"])
+                      f"{r['train_wall_s'] / 60:.0f}" if "train_wall_s" in r else "in the study run"])
     return table(["recipe", "peak lr", "warmup updates", "tokens per batch", "dropout", "epochs", "updates",
                   "best valid NLL (bits)", "at epoch", "training min"], cells)
 
