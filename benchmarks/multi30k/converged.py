@@ -84,7 +84,6 @@ def train(model_args, recipe, seed, epochs, save_dir, data_dir, commit):
     """fairseq-train to ``epochs`` (or patience), resuming from ``save_dir``'s checkpoints; each call
     logs to the next train-N.log and writes the ``commit`` it trains at beside it (train-N.commit)."""
     segment = len(train_logs(save_dir)) + 1
-    os.makedirs(save_dir, exist_ok=True)
     write_atomically(os.path.join(save_dir, f"train-{segment}.commit"), commit + "\n")
     fairseq_train(os.path.join(data_dir, "data-bin"), [*SHAPE, *model_args, *COMMON_TRAINING, *recipe_flags(recipe),
                                                        "--seed", str(seed), "--max-epoch", str(epochs),
