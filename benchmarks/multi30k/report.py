@@ -201,17 +201,16 @@ def frontier(runs, path, x_key, x_label):
     save(figure, path)
 
 
-def picture(runs, path, title, label):
-    """Validation NLL against updates, one line per row (colour by ``label(row)``, dashed for seed 2)."""
+def picture(runs, path, title, label, colour_by, dashed):
+    """Validation NLL against updates, one line per row: ``label(row)`` in the legend, one colour per
+    ``colour_by(row)``, dashed where ``dashed(row)``."""
     plt = plotting()
     figure, axes = plt.subplots(figsize=(8, 5))
     colours = {}
     for r in runs:
-        key = label(r)
-        colour = colours.setdefault(key, f"C{len(colours)}")
+        colour = colours.setdefault(colour_by(r), f"C{len(colours)}")
         curve = sorted((v["updates"], v["nll"]) for v in r["valid_nll_by_epoch"].values())
-        axes.plot(*zip(*curve), color=colour, linestyle="-" if r["seed"] == 1 else "--", marker=".",
-                  label=f"{key}, seed {r['seed']}")
+        axes.plot(*zip(*curve), color=colour, linestyle="--" if dashed(r) else "-", marker=".", label=label(r))
     axes.set_xlabel("updates")
     axes.set_ylabel("validation NLL (bits per token)")
     axes.set_title(title)
@@ -259,12 +258,15 @@ def write_report(out, recipe, recipes):
     if runs:
         lines += ["", f"sacreBLEU signature: {runs[0]['averaged']['signature']}"]
         picture(runs, os.path.join(out, "valid-nll.png"), "Multi30k En-De, validation NLL at each epoch's end",
-                lambda r: r["model"])
+                label=lambda r: f"{r['model']}, seed {r['seed']}", colour_by=lambda r: r["model"],
+                dashed=lambda r: r["seed"] != 1)
         frontier(runs, os.path.join(out, "frontier-macs.png"), "macs_per_target_token", "MACs per target token (M)")
         frontier(runs, os.path.join(out, "frontier-parameters.png"), "parameters", "parameters (M)")
     if sweep:
-        picture(sweep, os.path.join(out, "sweep-valid-nll.png"), "The recipe sweeps, seed 1",
-                lambda r: f"{r['model']}, {r['recipe']}")
+        picture(sweep, os.path.join(out, "sweep-valid-nll.png"),
+                "The recipe sweeps, seed 1 (one colour per recipe; dashed: routed models)",
+                label=lambda r: f"{r['model']}, {r['recipe']}", colour_by=lambda r: r["recipe"],
+                dashed=lambda r: r["model_id"] != "transformer")
     made = sorted({(run["command"], run["commit"], run["torch"], run["machine"])
                    for r in sweep + runs + reproduced for run in (r["run"], r.get("macs_run")) if run})
     lines += ["", "The rows were trained (and their MACs counted) by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
