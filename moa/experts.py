@@ -45,12 +45,15 @@ def padded_counts(counts: Tensor, x: Tensor, assignments: int) -> Optional[Tuple
 
 def grouped_mm(rows: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     """rows (R, in_dim) @ w (E, in_dim, out_dim) group by group, group e ending at row ``ends[e]``: torch's
-    grouped GEMM. Where it has no kernel: float64 (the tests' exact references) group by group, and half
-    precision with rows or strides of other than whole 16-byte units (widths no real model has) in float32.
-    Under torch.compile, other dtypes than bfloat16 go through :func:`compilable_grouped_mm`."""
+    grouped GEMM. Where it has no kernel: float64 (the tests' exact references) group by group; rows or
+    strides of other than whole 16-byte units (widths no real model has) in float32, and group by group
+    where float32's are not whole units either. Under torch.compile, other dtypes than bfloat16 go through
+    :func:`compilable_grouped_mm`."""
     if rows.dtype == torch.float64:
         return looped_mm(rows, w, ends)
     if any(stride * t.element_size() % 16 for t in (rows, w) for stride in t.stride() if stride != 1):
+        if rows.dtype == torch.float32:
+            return looped_mm(rows, w, ends)
         return grouped_mm(rows.float(), w.float(), ends).to(rows.dtype)
     if torch.compiler.is_compiling() and rows.dtype != torch.bfloat16:
         return compilable_grouped_mm(rows, w, ends.to(torch.int32))

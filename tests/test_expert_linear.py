@@ -77,7 +77,8 @@ def test_permutation_destination_is_copied_not_accumulated():
 
 
 def test_gradcheck_with_the_expert_axis_in_the_middle():
-    """The (in_dim, E, out_dim) layout of MoA's query experts, read through a strided view."""
+    """The (in_dim, E, out_dim) layout of MoA's query experts, read through a strided view, in float64 (the
+    loop); float32 and bfloat16 on the grouped GEMM: test_the_grouped_gemm_equals_the_loop_forward_and_backward."""
     torch.manual_seed(1)
     x = torch.randn(4, 3, dtype=torch.double, requires_grad=True)
     weight = torch.randn(3, 3, 2, dtype=torch.double, requires_grad=True)
@@ -109,21 +110,51 @@ def _case(dtype, seed=4):
     return (x, weight, bias, scale), torch.randint(0, 23, (m,)), torch.randint(0, 30, (m,)), counts
 
 
+@pytest.mark.parametrize("expert_dim", [0, 1], ids=["contiguous-experts", "strided-experts"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_grouped_gemm_equals_the_loop_forward_and_backward(dtype):
+def test_the_grouped_gemm_equals_the_loop_forward_and_backward(dtype, expert_dim):
     """float32: the loop's outputs and gradients exactly; bfloat16 (groups padded for the CPU's kernels):
-    the float64 loop's within bfloat16 rounding."""
+    the float64 loop's within bfloat16 rounding. expert_dim=1 is MoA's query experts, (in_dim, E, out_dim),
+    which the grouped GEMM reads through a strided view."""
     inputs, src, dst, counts = _case(dtype)
+    if expert_dim == 1:  # the same weights stored in the other layout
+        x, weight, bias, scale = inputs
+        weight = weight.detach().transpose(0, 1).contiguous().requires_grad_()
+        inputs = (x, weight, bias, scale)
+        assert not weight.transpose(0, 1).is_contiguous()
+
+    def experts_first(w):
+        return w if expert_dim == 0 else w.transpose(0, 1)
+
     every_row_once = torch.randperm(src.numel())
-    cases = [(lambda x, w, b, c: expert_linear(x, w, b, src, dst, counts, 30, scale=c),
-              lambda x, w, b, c: loop_reference(x, w, b, src, dst, counts, 30, c), inputs),
-             (lambda x, w: expert_linear(x, w, None, src, every_row_once, counts, src.numel(), dst_is_permutation=True),
-              lambda x, w: loop_reference(x, w, None, src, every_row_once, counts, src.numel()), inputs[:2])]
+    cases = [(lambda x, w, b, c: expert_linear(x, w, b, src, dst, counts, 30, scale=c, expert_dim=expert_dim),
+              lambda x, w, b, c: loop_reference(x, experts_first(w), b, src, dst, counts, 30, c), inputs),
+             (lambda x, w: expert_linear(x, w, None, src, every_row_once, counts, src.numel(), dst_is_permutation=True,
+                                         expert_dim=expert_dim),
+              lambda x, w: loop_reference(x, experts_first(w), None, src, every_row_once, counts, src.numel()),
+              inputs[:2])]
     for function, reference, leaves in cases:
         if dtype == torch.float32:
             _compare(function(*leaves), reference(*leaves), leaves)
         else:
             assert_within_half_precision_rounding(function, reference, leaves)
+
+
+def test_widths_of_no_whole_16_bytes_fall_back_to_the_loop_in_float32():
+    """The grouped GEMM wants strides of whole 16-byte units; float32 with a width of 6 (no real model's) is
+    multiplied group by group, bfloat16 in float32 first."""
+    torch.manual_seed(3)
+    counts, src, dst = torch.tensor([2, 3]), torch.tensor([0, 1, 2, 3, 0]), torch.tensor([4, 3, 2, 1, 0])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 6, dtype=dtype, requires_grad=True)
+        weight = torch.randn(2, 6, 6, dtype=dtype, requires_grad=True)
+        got = expert_linear(x, weight, None, src, dst, counts, 5)
+        if dtype == torch.float32:
+            _compare(got, loop_reference(x, weight, None, src, dst, counts, 5), (x, weight))
+        else:
+            assert_within_half_precision_rounding(lambda a, w: expert_linear(a, w, None, src, dst, counts, 5),
+                                                  lambda a, w: loop_reference(a, w, None, src, dst, counts, 5),
+                                                  (x, weight))
 
 
 def test_half_precision_groups_are_padded_to_a_few_row_counts_on_a_cpu():
