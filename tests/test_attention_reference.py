@@ -29,7 +29,8 @@ def reference_moa(m: MixtureOfAttentionHeads, query, key, value, key_padding_mas
         values = value[:, b] @ w_v.T + bias(m.v_proj.bias)
         for t in range(tgt_len):
             x = query[t, b]
-            probs = torch.softmax(m.router.weight.float() @ x.float(), dim=-1)
+            router_dtype = torch.promote_types(x.dtype, torch.float32)  # the router's: float32 or wider
+            probs = torch.softmax(m.router.weight.to(router_dtype) @ x.to(router_dtype), dim=-1)
             top_p, top_e = probs.topk(m.top_k)
             if m.router.gate_weights == "renormalized":
                 gates = top_p / top_p.sum().detach()
@@ -58,23 +59,51 @@ def _module(num_experts, top_k, gate_weights="renormalized", **kw):
     return MixtureOfAttentionHeads(16, num_experts, top_k, 8, gate_weights=gate_weights, **kw).double()
 
 
-def _check_outputs_and_grads(m, query, key, value, **masks):
+def _check_outputs_and_grads(m, query, key, value, reference_module=None, reference_masks=None, **masks):
+    """The module's output and every gradient against the reference's, in float64. ``reference_module`` and
+    ``reference_masks`` give the reference other weights or masks (the negative controls)."""
     inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
     params = [p for p in m.parameters()]
     probe = torch.randn_like(query)
     got, _ = m(*inputs, need_weights=False, **masks)
     got_grads = torch.autograd.grad((got * probe).sum(), params + inputs)
     ref_inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
-    want = reference_moa(m, *ref_inputs, **masks)
-    want_grads = torch.autograd.grad((want * probe).sum(), params + ref_inputs)
-    # The router runs in float32 (as in the paper's code), so gates agree to float32 precision.
-    tol = dict(rtol=1e-5, atol=1e-6)
+    reference = m if reference_module is None else reference_module
+    want = reference_moa(reference, *ref_inputs, **(masks if reference_masks is None else reference_masks))
+    want_grads = torch.autograd.grad((want * probe).sum(), list(reference.parameters()) + ref_inputs)
+    # float64 throughout, the router included: each operation rounds at 1.1e-16 of its terms, and no chain here
+    # sums more than a few hundred terms, so 1e-9 leaves a thousandfold room while an error of 1e-8 fails
+    # (test_a_wrong_weight_or_mask_fails_the_comparison)
+    tol = dict(rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(got, want, **tol)
     with torch.no_grad():  # the path that returns attention weights computes the same output
         torch.testing.assert_close(m(query, key, value, need_weights=True, **masks)[0], got.detach(), **tol)
     names = [n for n, _ in m.named_parameters()] + ["query", "key", "value"]
     for name, g, w in zip(names, got_grads, want_grads):
         torch.testing.assert_close(g, w, **tol, msg=lambda msg: f"gradient of {name}: {msg}")
+
+
+def test_a_wrong_weight_or_mask_fails_the_comparison(both_paths):
+    """Negative controls: one output-projection weight of one expert off by 1e-8 of its size, or one padded
+    key left unmasked, in the reference's copy, and the comparison fails."""
+    import copy
+
+    m = _module(6, 2, self_attention=True)
+    x = torch.randn(7, 3, 16, dtype=torch.double)
+    padding = torch.zeros(3, 7, dtype=torch.bool)
+    padding[1, 5:] = True
+    wrong = copy.deepcopy(m)
+    with torch.no_grad():  # (a routing with a graph would not deep-copy)
+        m(x, x, x, key_padding_mask=padding)
+    used = int(m.routing.selected[0, 0])  # an expert the first token selected
+    with torch.no_grad():
+        wrong.o_experts.weight[used, 0, 0] *= 1 + 1e-8
+    with pytest.raises(AssertionError):
+        _check_outputs_and_grads(m, x, x, x, reference_module=wrong, key_padding_mask=padding)
+    unmasked = padding.clone()
+    unmasked[1, 6] = False
+    with pytest.raises(AssertionError):
+        _check_outputs_and_grads(m, x, x, x, reference_masks={"key_padding_mask": unmasked}, key_padding_mask=padding)
 
 
 @pytest.mark.parametrize("gate_weights", ["renormalized", "raw"])

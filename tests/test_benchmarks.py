@@ -30,7 +30,13 @@ def test_authors_style_baseline_matches_moa_with_raw_gates():
     torch.manual_seed(0)
     m = MixtureOfAttentionHeads(32, 8, 3, 16, self_attention=True, gate_weights="raw").double()
     x = torch.randn(6, 4, 32, dtype=torch.double)
-    torch.testing.assert_close(AuthorsStyleMoA(m)(x), m(x, x, x, need_weights=False)[0], rtol=1e-5, atol=1e-6)
+    want = m(x, x, x, need_weights=False)[0]
+    # both in float64, routers included: 1e-9 leaves room for rounding only (see test_attention_reference)
+    torch.testing.assert_close(AuthorsStyleMoA(m)(x), want, rtol=1e-9, atol=1e-10)
+    with torch.no_grad():  # negative control: one expert's output projection off by 1e-6, and they differ
+        m.o_experts.weight[int(m.routing.selected[0, 0]), 0, 0] *= 1 + 1e-6
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(AuthorsStyleMoA(m)(x), want, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.slow

@@ -94,26 +94,55 @@ def _module(num_heads, shared, top_k, gate_scale="unit", embed_dim=24, **kw):
     return m
 
 
-def _check(m, query, key, value, **masks):
+def _check(m, query, key, value, reference_module=None, reference_masks=None, **masks):
+    """The module's output and every gradient against the reference's, in float64. ``reference_module`` and
+    ``reference_masks`` give the reference other weights or masks (the negative controls)."""
     params = list(m.parameters())
     inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
     probe = torch.randn_like(query)
     got, _ = m(*inputs, need_weights=False, **masks)
     got_grads = torch.autograd.grad((got * probe).sum(), params + inputs, allow_unused=True)
     ref_inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
-    want = reference_moh(m, *ref_inputs, **masks)
-    want_grads = torch.autograd.grad((want * probe).sum(), params + ref_inputs, allow_unused=True)
-    tol = dict(rtol=1e-9, atol=1e-10)  # float64 inputs: the router runs in float64 too
+    reference = m if reference_module is None else reference_module
+    want = reference_moh(reference, *ref_inputs, **(masks if reference_masks is None else reference_masks))
+    want_grads = torch.autograd.grad((want * probe).sum(), list(reference.parameters()) + ref_inputs,
+                                     allow_unused=True)
+    # float64 throughout, the routers included: each operation rounds at 1.1e-16 of its terms, and no chain here
+    # sums more than a few hundred terms, so 1e-9 leaves a thousandfold room while an error of 1e-8 fails
+    # (test_a_wrong_weight_or_mask_fails_the_comparison)
+    tol = dict(rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(got, want, **tol)
-    with torch.no_grad():  # the path that returns weights: the same output (its softmax is fairseq's float32 one)
-        torch.testing.assert_close(m(query, key, value, need_weights=True, **masks)[0], got.detach(),
-                                   rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the path that returns weights: the same output (its softmax is float64 here too)
+        torch.testing.assert_close(m(query, key, value, need_weights=True, **masks)[0], got.detach(), **tol)
     names = [n for n, _ in m.named_parameters()] + ["query", "key", "value"]
     for name, g, w in zip(names, got_grads, want_grads):
         assert (g is None) == (w is None), name  # None only for a router the equations do not use (K = 0)
         if g is None:
             continue
         torch.testing.assert_close(g, w, **tol, msg=lambda msg: f"gradient of {name}: {msg}")
+
+
+def test_a_wrong_weight_or_mask_fails_the_comparison(both_paths):
+    """Negative controls: one output-projection weight of a routed head off by 1e-8 of its size, or one
+    padded key left unmasked, in the reference's copy, and the comparison fails."""
+    import copy
+
+    m = _module(8, 2, 3, self_attention=True)
+    x = torch.randn(6, 3, 24, dtype=torch.double)
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[0, 4:] = True
+    with torch.no_grad():  # (a routing with a graph would not deep-copy)
+        m(x, x, x, key_padding_mask=padding)
+    head = m.shared_heads + int(m.routing.selected[0, 0])  # a routed head the first token selected
+    wrong = copy.deepcopy(m)
+    with torch.no_grad():
+        wrong.out_proj.weight[0, head * m.head_dim] *= 1 + 1e-8
+    with pytest.raises(AssertionError):
+        _check(m, x, x, x, reference_module=wrong, key_padding_mask=padding)
+    unmasked = padding.clone()
+    unmasked[0, 5] = False
+    with pytest.raises(AssertionError):
+        _check(m, x, x, x, reference_masks={"key_padding_mask": unmasked}, key_padding_mask=padding)
 
 
 CONFIGS = [(8, 2, 3), (8, 4, 2), (6, 0, 2), (4, 1, 1), (4, 4, 0), (4, 1, 3)]
