@@ -62,6 +62,26 @@ def translation_sample(pad, batch=3, src_len=6, tgt_len=5):
             "target": target, "ntokens": int(target.ne(pad).sum()), "nsentences": batch}
 
 
+def attention_parameters(d: int) -> int:
+    """fairseq's MultiheadAttention of width d: W_q, W_k, W_v, W_o with biases."""
+    return 4 * (d * d + d)
+
+
+def moa_parameters(d: int, experts: int, head_dim: int) -> int:
+    """An MoA module without biases: router W_g (E x d), W_q and W_o (d x E x D each), shared W_k and W_v (d x D)."""
+    return experts * d + 2 * d * experts * head_dim + 2 * d * head_dim
+
+
+def translation_parameters(vocab: int, d: int, ffn: int, layers: int, attention: int) -> int:
+    """A post-norm encoder-decoder Transformer with all embeddings shared (one vocab x d matrix, sinusoidal
+    positions) and ``attention`` parameters per attention module: an encoder layer is self-attention, the FFN
+    (two linear maps with biases) and 2 LayerNorms; a decoder layer adds cross-attention and a third LayerNorm."""
+    feed_forward, layer_norm = 2 * d * ffn + ffn + d, 2 * d
+    encoder_layer = attention + feed_forward + 2 * layer_norm
+    decoder_layer = 2 * attention + feed_forward + 3 * layer_norm
+    return vocab * d + layers * (encoder_layer + decoder_layer)
+
+
 TINY_SHAPE = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
               "--encoder-ffn-embed-dim", "64", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8",
               "--dropout", "0", "--attention-dropout", "0", "--encoder-attention-heads", "2",
