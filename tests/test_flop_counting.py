@@ -1,5 +1,6 @@
 """torch's FLOP counter counts what MoA and MoH compute (moa.flops): the experts' grouped GEMM and the CPU's
-fused attention included, on the path training runs (fused attention, no weights), in float32 and bfloat16.
+fused attention included, on the path training runs (fused attention, no weights) and on the one that returns
+attention weights (plain matmuls), in float32 and bfloat16.
 
 The analytic counts are written from the method's equations: every selected (token, expert) pair's query and
 output projection, the shared key/value projections, the router, and attention over the keys; in bfloat16
@@ -17,9 +18,9 @@ from moa.moh_attention import MixtureOfHeadsAttention
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def counted_macs(module, x, **kwargs):
+def counted_macs(module, x, need_weights=False, **kwargs):
     with FlopCounterMode(display=False) as counter:
-        module(x, x, x, need_weights=False, **kwargs)
+        module(x, x, x, need_weights=need_weights, **kwargs)
     return counter.get_total_flops() / 2
 
 
@@ -29,14 +30,15 @@ def grouped_rows(counts, x, assignments):
     return assignments if padding is None else int(padding[0].sum())
 
 
+@pytest.mark.parametrize("need_weights", [False, True], ids=["fused-attention", "attention-as-matmuls"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_experts", [8, 32])
-def test_moa_module_counts_the_selected_experts(dtype, num_experts):
+def test_moa_module_counts_the_selected_experts(dtype, num_experts, need_weights):
     torch.manual_seed(0)
     d, k, head, T, B = 256, 4, 64, 40, 2
     m = MixtureOfAttentionHeads(d, num_experts, k, head, self_attention=True).to(dtype)
     x = torch.randn(T, B, d, dtype=dtype)
-    macs = counted_macs(m, x)
+    macs = counted_macs(m, x, need_weights)
     n = T * B
     counts = torch.bincount(m.routing.selected.reshape(-1), minlength=num_experts)
     rows = grouped_rows(counts, x, n * k)
