@@ -10,6 +10,7 @@ losses' gradient. Which module a routed attention type gets is the model's choic
 criterion: :func:`pop_named_routings`.
 """
 
+import logging
 import re
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -21,6 +22,8 @@ from torch import nn
 from moa.activation_checkpointing import checkpoint_routed_layer
 from moa.routed_attention import RoutedAttention, compile_routed_attention
 from moa.routing import Routing
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_TYPES = ("encoder-self", "decoder-self", "decoder-cross")
 
@@ -271,6 +274,14 @@ class RoutedTransformerModel(RoutedModel, TransformerModel):
     attention they build through ``layer_config(args)`` (a :func:`routed_layer_config`)."""
 
     layer_config: Callable = None
+
+    @classmethod
+    def build_model(cls, args, task):
+        """fairseq's, then one line of what the routed attention computes per token (any
+        ``--model-overrides`` of k applied), e.g. ``MoA: 12 of 36 experts active per token (33.3%)``."""
+        model = super().build_model(args, task)
+        logger.info(model.describe_active_share())
+        return model
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
