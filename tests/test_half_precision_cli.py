@@ -2,7 +2,8 @@
 --memory-efficient-bf16 (which fairseq alone refuses without torch_xla) and --memory-efficient-fp16
 train a MoA translation model and a MoH language model on the same batches as float32, to a validation
 loss within 0.05 bits of float32's after 50 updates; fairseq-generate, fairseq-eval-lm and
-fairseq-interactive with --bf16 run the model in bfloat16."""
+fairseq-interactive with --bf16 run the model in bfloat16, and on one checkpoint give float32's hypotheses and
+loss within bfloat16's rounding."""
 
 import math
 import os
@@ -67,33 +68,46 @@ def test_half_precision_trains_like_float32(runs, model, precision):
         assert "--bf16 without torch_xla: bfloat16 on the CPU" in run["log"]
 
 
-def test_generate_translates_in_bf16(runs):
+def test_generate_translates_the_same_checkpoint_in_bf16_as_in_float32(runs):
+    """bf16 inference isolated: the float32-trained checkpoint decoded in float32 and with --bf16. Where both
+    find the same hypothesis its score (the mean log-probability of its tokens, computed in float32 from
+    bfloat16 logits) is float32's within 8 u = 2^-5 bits, a few roundings of logits of order a few bits
+    (measured: 0.011). bfloat16's roundings tip close beams of this barely trained model: 5 of the 30
+    hypotheses differ (measured); bound: a third. A broken bfloat16 path changes every hypothesis and score."""
+    run = runs[("moa_small", "float32")]
     outputs = {}
     for precision in ("float32", "bf16"):
-        run = runs[("moa_small", precision)]
         proc = run_cli("fairseq-generate", run["data"], "--user-dir", USER_DIR, "--path", run["checkpoint"], "--cpu",
                        "--gen-subset", "test", "--beam", "4", "--batch-size", "16", "--required-batch-size-multiple",
                        "1", *PRECISIONS[precision])
         outputs[precision] = proc.stdout + proc.stderr
     assert "MoATransformerModel runs in bfloat16" in outputs["bf16"]
     assert "MoATransformerModel runs in bfloat16" not in outputs["float32"]
-    for out in outputs.values():
-        assert "Translated 30 sentences" in out
-    bleu = {p: float(re.search(r"BLEU4 = ([\d.]+)", out).group(1)) for p, out in outputs.items()}
-    assert abs(bleu["bf16"] - bleu["float32"]) < 5, bleu
+    hypotheses = {p: {i: (float(score), text) for i, score, text in re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", out, re.M)}
+                  for p, out in outputs.items()}
+    assert len(hypotheses["float32"]) == len(hypotheses["bf16"]) == 30
+    same = [i for i, (_, text) in hypotheses["float32"].items() if hypotheses["bf16"][i][1] == text]
+    gaps = [abs(hypotheses["bf16"][i][0] - hypotheses["float32"][i][0]) for i in same]
+    print(f"bf16 against float32 on one checkpoint: {30 - len(same)} of 30 hypotheses differ; "
+          f"score gaps of the same ones up to {max(gaps):.4f}")
+    assert len(same) >= 20 and max(gaps) <= 8 * 2 ** -8, (len(same), max(gaps))
 
 
-def test_eval_lm_and_interactive_run_in_bf16(runs):
+def test_eval_lm_scores_the_same_checkpoint_in_bf16_as_in_float32_and_interactive_samples(runs):
+    """bf16 scoring isolated: the float32-trained LM scored in float32 and with --bf16. The loss is a mean of
+    log-probabilities, each a few bfloat16 roundings off, which the mean averages: bound u = 2^-8 of the loss
+    (measured: 2.9173 against 2.917 bits, 0.03 u)."""
+    run = runs[("moh_lm_small", "float32")]
     losses = {}
     for precision in ("float32", "bf16"):
-        run = runs[("moh_lm_small", precision)]
         proc = run_cli("fairseq-eval-lm", run["data"], "--user-dir", USER_DIR, "--path", run["checkpoint"], "--cpu",
                        "--gen-subset", "test", "--tokens-per-sample", "64", "--max-tokens", "1024",
                        *PRECISIONS[precision])
         out = proc.stdout + proc.stderr
         assert ("MoHLanguageModel runs in bfloat16" in out) == (precision == "bf16"), out[-2000:]
         losses[precision] = float(re.search(r"Loss \(base 2\): ([\d.]+)", out).group(1))
-    assert abs(losses["bf16"] - losses["float32"]) <= 0.05, losses
+    print(f"bf16 against float32 on one checkpoint: losses {losses}")
+    assert abs(losses["bf16"] - losses["float32"]) <= 2 ** -8 * losses["float32"], losses
     run = runs[("moh_lm_small", "bf16")]
     proc = run_cli("fairseq-interactive", run["data"], "--user-dir", USER_DIR, "--path", run["checkpoint"], "--cpu",
                    "--task", "language_modeling", "--bf16", "--sampling", "--beam", "1", "--seed", "1",
