@@ -5,6 +5,7 @@ CLIs, recipes, benchmark smoke runs) run with ``pytest -m slow tests``. ``pytest
 repository root on the path, so ``benchmarks`` imports as a package (tests may use its harness).
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -43,6 +44,19 @@ def sacrebleu_sgm_text(sgm_file, tmp_path):
     out = str(tmp_path / (os.path.basename(sgm_file) + ".sacrebleu.txt"))
     FakeSGMLDataset._convert_format(FakeSGMLDataset.__new__(FakeSGMLDataset), sgm_file, out)
     return list(read_lines(out))
+
+
+def baseline_bits(dictionary_file: str):
+    """(uniform, unigram) cross-entropy in bits of the two models that ignore context, from a fairseq
+    dictionary's counts: every symbol equally likely (log2 |V|, the special symbols included), and each word
+    at its training frequency (the counts' entropy). A trained model's loss beats the first at once and the
+    second once it uses context."""
+    from fairseq.data import Dictionary
+
+    dictionary = Dictionary.load(dictionary_file)
+    counts = torch.tensor([c for c in dictionary.count[dictionary.nspecial:] if c > 0], dtype=torch.float64)
+    p = counts / counts.sum()
+    return math.log2(len(dictionary)), float(-(p * p.log2()).sum())
 
 
 def build_model(arch: str, dict_size: int = 64, extra=()):

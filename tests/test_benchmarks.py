@@ -51,7 +51,7 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     assert names == {"MHA 8x64", "8K8E128D", "16K32E256D", "2K8E64D", "4K16E64D"}
     assert report["peak_gflops"] > 0
     for row in report["modules"]:
-        assert 0 < row["fwd_bwd_peak_fraction"] < 1.5 and row["fwd_bwd_ms"] > 0 and row["fwd_ms"] > 0
+        assert 0 < row["fwd_bwd_peak_fraction"] < 1 and row["fwd_bwd_ms"] > 0 and row["fwd_ms"] > 0
     assert "| 8K8E128D | 1024 | 64 |" in (tmp_path / "quick.md").read_text()
     moh = {r["module"]: r for r in report["moh"]}
     assert set(moh) == {"MHA 16x64", "MoH 75% (8 + top-4 of 8)", "MoH 50% (4 + top-4 of 12)",
@@ -90,7 +90,7 @@ def test_convert_moh_benchmark_trains_its_own_original_and_converts_it(tmp_path)
     report = json.loads((tmp_path / "result.json").read_text())
     assert report["original"].endswith(os.path.join("seed1", "original", "checkpoint_best.pt"))
     assert len(report["translation"]) == 5  # the original continued, and 2 fractions x 2 routers
-    assert all(0 <= r["sacrebleu_after"] <= 100 and min(r["decode_s"]) > 0 for r in report["translation"])
+    assert all("sacrebleu_after" in r and min(r["decode_s"]) > 0 for r in report["translation"])  # scoring: test_scoring
 
 
 @pytest.mark.slow
@@ -128,7 +128,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
         assert row["parameters"] == sum(p.numel() for p in model.parameters())
     for row in report["rows"]:
         assert row["updates"] == 20 and row["translated"] == row["test_sentences"] == 100
-        assert 0 <= row["sacrebleu"] <= 100 and row["train_words_per_s"] > 0
+        assert "sacrebleu" in row and row["train_words_per_s"] > 0
     # one shared 64-wide key/value head instead of four: fewer MACs per token, despite the router;
     # the hybrid keeps multi-head cross-attention, so it lies between the two
     assert (moa_row["macs_per_target_token"] < moa_self_row["macs_per_target_token"]
@@ -166,7 +166,7 @@ def test_multi30k_translation_benchmark_smoke(tmp_path):
     assert dial[("moa", 4)]["trained_setting"] and not dial[("moa", 1)]["trained_setting"]
     assert dial[("moa", 1)]["macs_per_target_token"] < dial[("moa", 4)]["macs_per_target_token"]
     assert dial[("transformer", None)]["decode_time_ratio"] == 1.0
-    assert all(0 <= r["sacrebleu"] <= 100 and r["decode_sentences_per_s"] > 0 for r in dial.values())
+    assert all("sacrebleu" in r and r["decode_sentences_per_s"] > 0 for r in dial.values())
     assert "| MoA (moa_small) | k = 4 of 8 experts (trained) |" in (tmp_path / "dial.md").read_text()
 
 
@@ -185,7 +185,7 @@ def test_converged_study_smoke_trains_scores_skips_and_reports(tmp_path):
     for row in rows.values():
         assert (row["epoch_cap"], row["epochs"], row["stopped_by"]) == (2, 2, "epoch cap")
         assert set(row["valid_nll_by_epoch"]) == {"1", "2"} and row["best_valid_nll"] > 0
-        assert 0 <= row["averaged"]["sacrebleu"] <= 100 and row["best"]["translated"] == 100
+        assert "sacrebleu" in row["averaged"] and row["best"]["translated"] == 100
         assert row["segment_commits"] == [row["run"]["commit"]]  # one fairseq-train call, at this checkout
     assert rows["moa-4K8E64D"]["macs_per_target_token"] < rows["transformer"]["macs_per_target_token"]
     assert (work / "converged" / "moa-4K8E64D-seed1-lr2e-3-warmup1000-tokens2048" / "averaged-last2.pt").is_file()

@@ -3,12 +3,12 @@
 import math
 import os
 import re
-import shutil
 import zipfile
 
 import pytest
 import torch
 import torch.nn.functional as F
+from fairseq.data import Dictionary
 
 from helpers import ROOT, needs_shared, run_cli
 from moa_tools import USER_DIR
@@ -96,27 +96,22 @@ def test_training_logs_mlm_and_moa_figures(trained):
     figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
     assert int(figures["num_updates"]) == 12
     la, lz, aux = float(figures["moa_la"]), float(figures["moa_lz"]), float(figures["aux_loss"])
-    assert 0 < la <= 4 and lz > 0  # L_a = E sum f P lies in (0, E], E = 4
+    # 12 updates leave the masked LM better than the uniform guess over its dictionary (fairseq's masked_lm
+    # dictionary adds <mask>)
+    assert float(figures["loss"]) < math.log2(len(Dictionary.load(os.path.join(trained["data_bin"], "dict.txt"))) + 1)
     # 2 MoA modules, --moa-alpha 0.02 --moa-beta 0.002, logged in bits like fairseq's loss
     assert aux == pytest.approx(2 * (0.02 * la + 0.002 * lz) / math.log(2), rel=0.01)
     assert float(figures["ppl"]) == pytest.approx(2 ** float(figures["loss"]), rel=0.02)
 
 
-def test_moh_training_logs_its_figures_and_resumes(trained_moh, tmp_path):
+def test_moh_training_logs_its_figures(trained_moh):  # resuming: bit for bit in test_exact_resume
     last = [line for line in trained_moh["log"].splitlines() if "| train |" in line][-1]
     figures = dict(re.findall(r"\| (\w+) ([-\d.]+)", last))
     assert int(figures["num_updates"]) == 12 and "moa_la" not in figures
     lb, aux = float(figures["moh_lb"]), float(figures["aux_loss"])
-    # 1 shared + top-2 of 3 routed: L_b = sum P f with sum f = K lies in (0, K]; 2 modules averaged, --moh-beta 0.05
-    assert 0 < lb <= 2 and float(figures["moh_active"]) == pytest.approx(0.75)
+    # 1 shared + top-2 of 3 routed; 2 modules averaged, --moh-beta 0.05
+    assert float(figures["moh_active"]) == pytest.approx(0.75)
     assert aux == pytest.approx(0.05 * lb / math.log(2), rel=0.01)
-    save = tmp_path / "checkpoints"  # a copy: the fixture stays at 12 updates for the other tests
-    shutil.copytree(trained_moh["save"], save)
-    again = run_cli("fairseq-train", trained_moh["data_bin"], "--user-dir", USER_DIR, *TRAIN, *ARCHS["moh"],
-                    "--save-dir", str(save), "--max-update", "16")
-    log = again.stdout + again.stderr
-    assert re.search(r"[Ll]oaded checkpoint .*checkpoint_last\.pt .*\(epoch \d+ @ 12 updates\)", log), log[-3000:]
-    assert torch.load(save / "checkpoint_last.pt", map_location="cpu")["optimizer_history"][-1]["num_updates"] == 16
 
 
 def _masked_nll(checkpoint, data_bin, subset):
