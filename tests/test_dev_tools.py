@@ -14,6 +14,8 @@ from helpers import ROOT
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA gpu_check.sh measures the GPU; its CPU part runs "
+                                                       "where there is none")
 def test_the_gpu_check_runs_its_cpu_part(tmp_path):
     """Without CUDA, benchmarks/dev/gpu_check.sh skips tests/gpu and runs its measurements on the CPU: no host
     read in the MoA modules' steps on the grouped projections, one per MoH module, the table eager and

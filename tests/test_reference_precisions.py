@@ -14,14 +14,15 @@ u = eps / 2 (float32 2^-24, bfloat16 2^-8):
 * elementwise, |got - want| <= 32 u max|want|: the longest chain (projection, scores, probabilities,
   attention output, gated output projection, and the gradient's matmuls back through them) stores
   about eight rounded results in series, each within u of the magnitude of its terms, and signed sums'
-  terms may exceed the result by a few times (4x room). Measured: at most 11 u (float32) and 3 u
-  (bfloat16). A 0.1% error is 4,000 u in float32: far outside.
-* in bfloat16 a 1% error is only 2.6 u, within the elementwise bound; but rounding to nearest is
-  unbiased, so the output's gain, <got - want, want> / <want, want>, averages the roundings out. Its
-  spread shrinks as one over the square root of the independently rounded gates behind the output (one
-  per active (token, head or expert) pair, P of them), so the bound is 4 u / sqrt(P) (measured: at most
-  a third of it), while gates off by 1% give a gain of 0.01 times the routed part of the output. float32
-  needs no such check (its kernels' own gain reaches about u, and the elementwise bound already sees 0.1%).
+  terms may exceed the result by a few times (4x room). Measured: at most 14 u (float32) and 3 u
+  (bfloat16). A 0.1% error is 16,800 u in float32: far outside.
+* in half precision a 1% error can sit within the elementwise bound (bfloat16: 2.6 u; float16, on CUDA
+  in tests/gpu: 20 u); but rounding to nearest is unbiased, so the output's gain, <got - want, want> /
+  <want, want>, averages the roundings out. Its spread shrinks as one over the square root of the
+  independently rounded gates behind the output (one per active (token, head or expert) pair, P of
+  them), so the bound is 4 u / sqrt(P) (measured: at most half of it), while gates off by 1% give a gain
+  of 0.01 times the routed part of the output. float32 needs no such check (its kernels' own gain
+  reaches about u, and the elementwise bound already sees 0.1%).
 
 Every comparison has a negative control here: gates off by 0.1% (float32) or 1% (bfloat16) on the routed
 path, and a padded key left unmasked, make it fail.
@@ -54,11 +55,11 @@ def assert_within_rounding(got, want, dtype, what, active_pairs=None, scale=None
     """``got`` (dtype) against ``want`` (float64) within the bounds of the module's docstring; ``scale``
     replaces max|want| where the exact value is zero (a gradient that cancels by symmetry)."""
     u = unit_roundoff(dtype)
-    error = got.double() - want
+    error = got.double().cpu() - want
     scale = want.abs().max() if scale is None else scale
     worst = error.abs().max() / (u * scale)
     assert worst <= ELEMENTWISE, f"{what}: off by {worst:.1f} u of max|reference|, beyond {ELEMENTWISE} u"
-    if active_pairs is not None and dtype == torch.bfloat16:
+    if active_pairs is not None and dtype in (torch.bfloat16, torch.float16):
         gain = (error * want).sum() / (want * want).sum()
         bound = GAIN * u / active_pairs ** 0.5
         assert gain.abs() <= bound, f"{what}: a systematic gain of {gain:.2e}, beyond {bound:.2e}"
@@ -68,7 +69,7 @@ def float64_copy(module):
     """The module's weights in float64, for the reference (without the last routing, which may hold a graph)."""
     routing, module.routing = module.routing, None
     try:
-        return copy.deepcopy(module).double()
+        return copy.deepcopy(module).double().cpu()
     finally:
         module.routing = routing
 
@@ -88,20 +89,20 @@ def _active_pairs(routing) -> int:
     return sum(0 if gates is None else gates.numel() for gates in (routing.gates, getattr(routing, "shared_gates", None)))
 
 
-def compare_with_reference(module, dtype, cross=False, causal=False, reference_padding=None):
-    """One forward and backward of ``module`` in ``dtype`` against its reference in float64 on the same
-    weights and inputs: the output and the gradient of every parameter and input. ``reference_padding``
-    hands the reference another key padding than the module's (the negative control)."""
-    module = module.to(dtype)
+def compare_with_reference(module, dtype, cross=False, causal=False, reference_padding=None, device="cpu"):
+    """One forward and backward of ``module`` in ``dtype`` on ``device`` against its reference in float64 (on
+    the CPU) on the same weights and inputs: the output and the gradient of every parameter and input.
+    ``reference_padding`` hands the reference another key padding than the module's (the negative control)."""
+    module = module.to(device=device, dtype=dtype)
     wide = float64_copy(module)
     reference = reference_moa if isinstance(module, MixtureOfAttentionHeads) else reference_moh
     query, key, padding = _inputs(module, dtype, cross)
     masks = {"key_padding_mask": padding}
     if causal:
         masks["attn_mask"] = torch.triu(torch.full((T, T), float("-inf")), 1)
-    leaves = [t.detach().clone().requires_grad_() for t in (query, key)]
+    leaves = [t.detach().to(device).requires_grad_() for t in (query, key)]
     got, _ = module(leaves[0], leaves[1], leaves[1], need_weights=False,
-                    **{k: (v.to(dtype) if v.is_floating_point() else v) for k, v in masks.items()})
+                    **{k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in masks.items()})
     active = _active_pairs(module.routing)
     wide_leaves = [t.detach().double().requires_grad_() for t in (query, key)]
     if reference_padding is not None:
@@ -111,7 +112,7 @@ def compare_with_reference(module, dtype, cross=False, causal=False, reference_p
     assert_within_rounding(got, want, dtype, "output", active_pairs=active)
     probe = torch.randn(want.shape, dtype=torch.float64)
     params = [p for _, p in module.named_parameters()]
-    grads = torch.autograd.grad((got.double() * probe).sum(), params + leaves, allow_unused=True)
+    grads = torch.autograd.grad((got.double() * probe.to(device)).sum(), params + leaves, allow_unused=True)
     want_grads = torch.autograd.grad((want * probe).sum(), list(wide.parameters()) + wide_leaves, allow_unused=True)
     names = [n for n, _ in module.named_parameters()] + ["query", "key"]  # distinct leaves in self-attention too
     by_name = dict(zip(names, want_grads))
