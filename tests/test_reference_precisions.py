@@ -279,3 +279,12 @@ def test_float64_and_the_training_dtypes_take_different_expert_code(monkeypatch)
             query, _, padding = _inputs(module, dtype, False)
             module(query, query, query, key_padding_mask=padding)[0].float().sum().backward()
             assert calls and set(calls) == ({"loop"} if dtype == torch.float64 else {"grouped"}), (dtype, calls)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", ["packed", "all-heads"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_moh_with_the_query_norm_router_matches_the_reference_in_the_training_dtypes(dtype, path, kind, monkeypatch):
+    """The parameter-free router of converted models, which scores the routed heads by their queries' norms."""
+    monkeypatch.setattr(MixtureOfHeadsAttention, "path", path)
+    compare_with_reference(_moh(cross=KINDS[kind].get("cross", False), router="query-norm"), dtype, **KINDS[kind])
