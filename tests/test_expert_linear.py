@@ -42,13 +42,16 @@ def assert_within_half_precision_rounding(function, reference, inputs, factor=8)
 
 
 def _compare(got, want, inputs):
-    """Outputs and the gradient of every input equal (float32 and float64)."""
-    torch.testing.assert_close(got, want)
+    """Outputs and the gradient of every input equal: float64 (the loop on both sides, sums in another order:
+    a few 1e-16 of terms of order 1-10) to 1e-12; float32 (the grouped GEMM against the loop) within
+    torch's float32 defaults, rtol 1.3e-6 = 11 eps, for dot products of 16 terms."""
+    tol = dict(rtol=1e-12, atol=1e-12) if want.dtype == torch.float64 else {}
+    torch.testing.assert_close(got, want, **tol)
     probe = torch.randn(want.shape, dtype=want.dtype)
     grads = torch.autograd.grad((got * probe).sum(), inputs)
     want_grads = torch.autograd.grad((want * probe).sum(), inputs)
     for g, w in zip(grads, want_grads):
-        torch.testing.assert_close(g, w)
+        torch.testing.assert_close(g, w, **tol)
     return grads
 
 
@@ -65,6 +68,32 @@ def test_matches_the_loop_with_repeated_rows_and_an_empty_expert():
     assert got[5].abs().sum() == 0
     grads = _compare(got, loop_reference(x, weight, bias, src, dst, counts, 8, scale), (x, weight, bias, scale))
     assert grads[1][1].abs().sum() == 0 and grads[2][1].abs().sum() == 0
+
+
+WRONG_BY = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 0.25}  # beyond each comparison's tolerance
+
+
+@pytest.mark.parametrize("dtype", list(WRONG_BY), ids=str)
+def test_a_wrong_row_scale_or_destination_fails_the_comparisons(dtype):
+    """Negative controls of the loop comparisons (default tolerances in float64 and float32, bfloat16's
+    rounding bound): a reference that scales one routed row by 1 + WRONG_BY, or sends one assignment to
+    another destination row, differs beyond them."""
+    inputs, src, dst, counts = _case(dtype)
+    factor = torch.ones(src.numel(), dtype=dtype)
+    factor[3] += WRONG_BY[dtype]
+    wrong_dst = dst.clone()
+    wrong_dst[0] = (dst[0] + 1) % 30
+
+    def function(x, w, b, c):
+        return expert_linear(x, w, b, src, dst, counts, 30, scale=c)
+
+    for reference in (lambda x, w, b, c: loop_reference(x, w, b, src, dst, counts, 30, c * factor.to(c.dtype)),
+                      lambda x, w, b, c: loop_reference(x, w, b, src, wrong_dst, counts, 30, c)):
+        with pytest.raises(AssertionError):
+            if dtype == torch.bfloat16:
+                assert_within_half_precision_rounding(function, reference, inputs)
+            else:
+                _compare(function(*inputs), reference(*inputs), inputs)
 
 
 def test_permutation_destination_is_copied_not_accumulated():

@@ -232,7 +232,12 @@ def test_every_head_active_with_uniform_routers_is_fairseqs_multihead_attention(
     padding[1, 4:] = True
     want, _ = mha(x, x, x, key_padding_mask=padding, need_weights=False)
     got, _ = m(x, x, x, key_padding_mask=padding, need_weights=False)
-    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)  # float64: see _check
+    with torch.no_grad():  # negative control: one of fairseq's weights off by 1e-8, and they differ
+        mha.out_proj.weight[0, 0] *= 1 + 1e-8
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(m(x, x, x, key_padding_mask=padding, need_weights=False)[0],
+                                   mha(x, x, x, key_padding_mask=padding, need_weights=False)[0], rtol=1e-9, atol=1e-10)
     assert sum(p.numel() for p in m.router.parameters()) == 32 * (4 + 2)
 
 

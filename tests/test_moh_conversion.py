@@ -120,9 +120,9 @@ def test_query_norm_router_selects_the_largest_query_and_sparse_equals_dense(tra
         assert torch.equal(attn.routing.gates, torch.ones(14, 1, dtype=torch.float64))
         outputs.append(y)
         grads.append(torch.autograd.grad(y.square().sum(), [x, attn.q_proj.weight]))
-    assert torch.allclose(outputs[0], outputs[1], atol=1e-12)
+    assert torch.allclose(outputs[0], outputs[1], rtol=1e-9, atol=1e-12)
     for sparse_grad, dense_grad in zip(*grads):
-        assert torch.allclose(sparse_grad, dense_grad, atol=1e-10)
+        assert torch.allclose(sparse_grad, dense_grad, rtol=1e-9, atol=1e-10)
 
 
 def test_query_norm_gradient_reaches_the_query_projection_through_the_gate():
@@ -147,10 +147,13 @@ def test_query_norm_gradient_reaches_the_query_projection_through_the_gate():
     gates = torch.cat([torch.ones(1, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)])
     gates = gates + torch.nn.functional.one_hot(torch.tensor(chosen + 1), 4).double() * (1 + p[chosen] - p[chosen].detach())
     reference = (w_o.view(16, 4, 4) * (gates[:, None] * v)[None]).sum(dim=(1, 2)) + attn.out_proj.bias.detach()
-    assert torch.allclose(reference, y.detach().view(16), atol=1e-12)
+    assert torch.allclose(reference, y.detach().view(16), rtol=1e-9, atol=1e-12)
     reference.square().sum().backward()
-    assert torch.allclose(attn.q_proj.weight.grad, w_q.grad, atol=1e-10)
-    assert torch.allclose(attn.v_proj.weight.grad, w_v.grad, atol=1e-10)
+    assert torch.allclose(attn.q_proj.weight.grad, w_q.grad, rtol=1e-9, atol=1e-10)
+    assert torch.allclose(attn.v_proj.weight.grad, w_v.grad, rtol=1e-9, atol=1e-10)
+    # negative control: the reference with its straight-through gate off by 1e-8 differs beyond these tolerances
+    wrong = (w_o.view(16, 4, 4) * ((gates * (1 + 1e-8))[:, None] * v)[None]).sum(dim=(1, 2)) + attn.out_proj.bias.detach()
+    assert not torch.allclose(wrong, y.detach().view(16), rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("router", ["query-norm", "learned"])
