@@ -29,6 +29,13 @@ def load_translator(checkpoint: str, data_bin: str, sentencepiece_model: Optiona
             raise FileNotFoundError(f"{path} does not exist")
     folder, name = os.path.split(os.path.abspath(checkpoint))
     if sentencepiece_model:
+        import sentencepiece
+
+        try:
+            sentencepiece.SentencePieceProcessor(model_file=sentencepiece_model)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"{sentencepiece_model} is not a sentencepiece model ({str(e).strip()}): give the "
+                             "spm.model the data was encoded with (the recipe writes OUT/spm/spm.model)") from None
         overrides = dict(bpe="sentencepiece", sentencepiece_model=os.path.abspath(sentencepiece_model), **overrides)
     return MoATransformerModel.from_pretrained(folder, checkpoint_file=name, data_name_or_path=os.path.abspath(data_bin),
                                                **overrides)

@@ -3,7 +3,21 @@
 import os
 from typing import Sequence
 
+from moa_tools import ToolError
 from moa_tools.textio import read_lines, write_lines_atomically
+
+
+def load_sentencepiece(model_file: str):
+    """The sentencepiece model in ``model_file``; :class:`ToolError` naming the file and the fix when it is
+    not one (truncated, or another file in its place)."""
+    import sentencepiece as spm
+
+    try:
+        return spm.SentencePieceProcessor(model_file=model_file)
+    except (OSError, RuntimeError) as e:
+        raise ToolError(f"{model_file} is not a sentencepiece model ({str(e).strip() or type(e).__name__}): delete it "
+                        "and run the preparation again, which trains a new one (or give the model the data was "
+                        "encoded with)") from None
 
 
 def train_sentencepiece(inputs: Sequence[str], prefix: str, vocab_size: int, input_sentence_size: int = 0,
@@ -17,6 +31,7 @@ def train_sentencepiece(inputs: Sequence[str], prefix: str, vocab_size: int, inp
     import sentencepiece as spm
 
     if os.path.exists(prefix + ".model"):
+        load_sentencepiece(prefix + ".model")  # a model left by an earlier run must be a whole one
         return prefix + ".model"
     options = dict(input_sentence_size=input_sentence_size, shuffle_input_sentence=True) if input_sentence_size else {}
     if keep_symbols:
@@ -33,9 +48,7 @@ def train_sentencepiece(inputs: Sequence[str], prefix: str, vocab_size: int, inp
 
 def encode_file(model_file: str, source: str, target: str) -> int:
     """Write ``source``'s lines as space-separated pieces to ``target`` (kept if already there)."""
-    import sentencepiece as spm
-
     if os.path.exists(target):
         return sum(1 for _ in read_lines(target))
-    model = spm.SentencePieceProcessor(model_file=model_file)
+    model = load_sentencepiece(model_file)
     return write_lines_atomically(target, (" ".join(model.encode(line, out_type=str)) for line in read_lines(source)))

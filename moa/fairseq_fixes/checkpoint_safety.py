@@ -21,6 +21,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from moa.fairseq_fixes.named_errors import NamedInputError
+
 
 def fairseq_checkpoint_globals():
     """The classes and functions that fairseq translation/MLM checkpoints pickle."""
@@ -59,7 +61,7 @@ def broadcast_state_globals():
             nodes.AnyNode, typing.Any, collections.defaultdict, dict, list, int, _TensorPlaceholder]
 
 
-class DamagedCheckpointError(RuntimeError):
+class DamagedCheckpointError(NamedInputError, RuntimeError):
     """A checkpoint file ``path`` that is not a complete torch archive (an interrupted save or copy), and
     why (``reason``). Its message names the fix (:func:`damaged_checkpoint_message`), looked for only when
     the message is read: a caller that falls back to another checkpoint reads no other file for it."""
@@ -183,6 +185,14 @@ def verified_checkpoint(path: str):
             yield mapped
 
 
+_LOADED = [None]  # the checkpoint fairseq's loader read last
+
+
+def last_loaded_checkpoint() -> Optional[str]:
+    """The path fairseq's ``load_checkpoint_to_cpu`` read last in this process (for messages), or None."""
+    return _LOADED[0]
+
+
 def checked_checkpoint_loader(load):
     """fairseq's ``load_checkpoint_to_cpu`` (``load``), which loads a local file from the bytes whose
     checksums :func:`verified_checkpoint` checked, so that a damaged file is refused by name, with the
@@ -191,6 +201,7 @@ def checked_checkpoint_loader(load):
     import fairseq.checkpoint_utils as checkpoint_utils
 
     def load_checkpoint_to_cpu(path, *args, **kwargs):
+        _LOADED[0] = str(path)
         if "://" in str(path) or not os.path.isfile(path):
             return load(path, *args, **kwargs)
         with verified_checkpoint(path) as mapped:

@@ -1,7 +1,7 @@
-"""Every change the plugin makes to fairseq (and to torch's loader), in one place.
+"""Every change the plugin makes to fairseq (and to torch's loader and Python's excepthook), in one place.
 
-fairseq 0.12 has no hooks for what follows, so the plugin replaces fourteen of its attributes when it is
-imported, each by a function or class that wraps fairseq's own:
+fairseq 0.12 has no hooks for what follows, so the plugin replaces twenty of its attributes, and Python's
+``sys.excepthook``, when it is imported, each by a function or class that wraps the original:
 
 ========================================================  ==========================================
 replaced                                                  why
@@ -19,6 +19,25 @@ replaced                                                  why
 ``.DistributedDataParallel``                              fairseq passes for a CPU module
 ``fairseq.tasks.fairseq_task.FairseqTask``                a run resumed in a later epoch gets the
 ``.get_batch_iterator``                                   batches of the run it continues
+``fairseq.data.data_utils.load_indexed_dataset``          a damaged data-bin is named with the fix: a
+                                                          truncated, extended, swapped or missing .idx
+                                                          or .bin, an empty split, token ids beyond
+                                                          the dictionary
+``fairseq.data.indexed_dataset.dataset_exists``           a split with its .idx or .bin alone missing
+                                                          names the missing file
+``fairseq.data.dictionary.Dictionary.add_from_file``      a missing, empty, non-UTF-8 or malformed
+                                                          dictionary file is named
+``fairseq.data.language_pair_dataset``                    a language pair's two sides of different
+``.LanguagePairDataset.__init__``                         lengths are named (fairseq asserts)
+``sys.excepthook``                                        those errors and a damaged checkpoint end the
+                                                          program as one line, not a traceback
+``fairseq.data.fairseq_dataset.FairseqDataset``           every sentence of an evaluated split: the
+``.batch_by_size``                                        last batch, which fairseq drops when its size
+                                                          is no multiple of
+                                                          ``--required-batch-size-multiple``, is kept
+                                                          (validation, generate, validate, eval-lm)
+``fairseq.trainer.Trainer.get_train_iterator``            ... except for training batches, so that
+                                                          recorded runs train on the same batches
 ``fairseq.checkpoint_utils.PathManager``                  checkpoint copies are atomic and flushed,
                                                           so a kill never leaves half a file
 ``fairseq.trainer.Trainer.load_checkpoint``               a damaged checkpoint_last.pt resumes from
@@ -68,7 +87,8 @@ class Patch(NamedTuple):
 
 
 def _patches():
-    from moa.fairseq_fixes import checkpoint_safety, crash_safe_training, distributed, precision
+    from moa.fairseq_fixes import (checkpoint_safety, crash_safe_training, damaged_data, distributed, every_sentence,
+                                   named_errors, precision)
 
     return [
         Patch("fairseq.checkpoint_utils", "load_checkpoint_to_cpu", checkpoint_safety.checked_checkpoint_loader,
@@ -83,6 +103,20 @@ def _patches():
         Patch("fairseq.tasks.fairseq_task", "FairseqTask.get_batch_iterator",
               crash_safe_training.batches_as_from_the_first_epoch,
               "a run resumed in a later epoch gets the batches of the run it continues"),
+        Patch("fairseq.data.data_utils", "load_indexed_dataset", damaged_data.checked_loading,
+              "a truncated, swapped or missing .idx/.bin, an empty split or a foreign dictionary is named"),
+        Patch("fairseq.data.indexed_dataset", "dataset_exists", damaged_data.checked_split_exists,
+              "a split with one of its .idx/.bin missing names the missing file"),
+        Patch("fairseq.data.dictionary", "Dictionary.add_from_file", damaged_data.checked_dictionary_file,
+              "a missing, empty, non-UTF-8 or malformed dictionary file is named"),
+        Patch("fairseq.data.language_pair_dataset", "LanguagePairDataset.__init__",
+              damaged_data.checked_language_pair, "a language pair's sides of different lengths are named"),
+        Patch("sys", "excepthook", named_errors.printing_named_errors,
+              "a damaged checkpoint or data-bin ends the program as one line, not a traceback"),
+        Patch("fairseq.data.fairseq_dataset", "FairseqDataset.batch_by_size", every_sentence.keeping_the_last_batch,
+              "every sentence of an evaluated split: the last batch fairseq drops is kept"),
+        Patch("fairseq.trainer", "Trainer.get_train_iterator", every_sentence.marking_training_batches,
+              "training batches keep fairseq's rule, so that recorded runs train on the same batches"),
         Patch("fairseq.checkpoint_utils", "PathManager", crash_safe_training.atomic_path_manager,
               "checkpoint copies are atomic and flushed"),
         Patch("fairseq.trainer", "Trainer.load_checkpoint", crash_safe_training.resuming_past_damage,

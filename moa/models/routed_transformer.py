@@ -20,6 +20,8 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from torch import nn
 
 from moa.activation_checkpointing import checkpoint_routed_layer
+from moa.fairseq_fixes.checkpoint_safety import last_loaded_checkpoint
+from moa.fairseq_fixes.named_errors import NamedInputError
 from moa.routed_attention import RoutedAttention, compile_routed_attention
 from moa.routing import Routing
 
@@ -207,7 +209,9 @@ class RoutedModel:
     and a clear error for a checkpoint trained on other dictionaries."""
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
-        check_dictionary_sizes(self.state_dict(), state_dict)
+        files = {side: getattr(getattr(getattr(self, side, None), "dictionary", None), "loaded_from", None)
+                 for side in ("encoder", "decoder")}
+        check_dictionary_sizes(self.state_dict(), state_dict, files)
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def set_beam_size(self, beam_size: int) -> None:
@@ -256,17 +260,25 @@ def pop_named_routings(model: nn.Module) -> List[Tuple[str, Routing]]:
     return routings
 
 
-def check_dictionary_sizes(model_state, checkpoint_state) -> None:
-    """Refuse a checkpoint whose embedding tables do not match this model's dictionaries, naming both sizes."""
+class ForeignDictionaryError(NamedInputError, ValueError):
+    """A dictionary that is not the one the model or data needs."""
+
+
+def check_dictionary_sizes(model_state, checkpoint_state, files=None) -> None:
+    """Refuse a checkpoint whose embedding tables do not match this model's dictionaries, naming both sizes
+    (and the dictionary file, from ``files``: {"encoder" or "decoder": path or None})."""
     for name, ours in model_state.items():
         if name.endswith("embed_tokens.weight") and name in checkpoint_state:
             theirs = checkpoint_state[name].shape[0]
             if theirs != ours.shape[0]:
                 side = "target" if name.startswith("decoder.") else "source"
-                raise ValueError(
-                    f"the checkpoint's {side} dictionary has {theirs} symbols, this data's has {ours.shape[0]} "
-                    f"({name}): it was trained on another data-bin. Use the data-bin it was trained with (the "
-                    f"same dict.*.txt), or train a new model on this one")
+                checkpoint = last_loaded_checkpoint()
+                file = (files or {}).get("decoder" if side == "target" else "encoder")
+                raise ForeignDictionaryError(
+                    f"the checkpoint's {side} dictionary has {theirs} symbols"
+                    f"{f' ({checkpoint})' if checkpoint else ''}, this data's{f' ({file})' if file else ''} has "
+                    f"{ours.shape[0]} ({name}): it was trained on another data-bin, or the dictionary changed. "
+                    f"Use the data-bin it was trained with (the same dict.*.txt), or train a new model on this one")
 
 
 class RoutedTransformerModel(RoutedModel, TransformerModel):
@@ -279,6 +291,13 @@ class RoutedTransformerModel(RoutedModel, TransformerModel):
     def build_model(cls, args, task):
         """fairseq's, then one line of what the routed attention computes per token (any
         ``--model-overrides`` of k applied), e.g. ``MoA: 12 of 36 experts active per token (33.3%)``."""
+        if getattr(args, "share_all_embeddings", False) and task.source_dictionary != task.target_dictionary:
+            files = [getattr(d, "loaded_from", "a dictionary") for d in (task.source_dictionary, task.target_dictionary)]
+            raise ForeignDictionaryError(
+                f"--share-all-embeddings needs one joined dictionary, but {files[0]} ({len(task.source_dictionary)} "
+                f"symbols) and {files[1]} ({len(task.target_dictionary)}) differ: prepare the data again with "
+                f"fairseq-preprocess --joined-dictionary (or one of them is damaged), or train without "
+                f"--share-all-embeddings")
         model = super().build_model(args, task)
         logger.info(model.describe_active_share())
         return model
