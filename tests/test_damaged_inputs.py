@@ -174,6 +174,25 @@ def test_a_damaged_input_gives_a_named_error_or_the_right_result(made, undamaged
     OUTCOMES[(kind, how)] = "named error"
 
 
+def test_a_split_binarised_from_an_empty_file_is_named(made, tmp_path):
+    """fairseq-preprocess writes an empty split from an empty text; training on it is refused by name."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for lang in ("en", "de"):
+        shutil.copyfile(os.path.join(made["raw"], f"train.{lang}"), raw / f"train.{lang}")
+        (raw / f"valid.{lang}").write_text("")
+    data = str(tmp_path / "bin")
+    run_cli("fairseq-preprocess", "--source-lang", "en", "--target-lang", "de", "--trainpref", f"{raw}/train",
+            "--validpref", f"{raw}/valid", "--destdir", data, "--joined-dictionary", "--workers", "1")
+    proc = run_cli("fairseq-train", data, "--user-dir", USER_DIR, "--arch", "moa_small", *TINY, *COMMON,
+                   "--save-dir", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "valid.en-de.en.idx: holds no sentences: it was binarised from an empty file. The data-bin is damaged or "
+        "mixed up: prepare the data again from a corpus with sentences in every split"), proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
 GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "troubleshooting.md")
 
 

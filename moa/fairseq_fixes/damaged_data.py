@@ -58,6 +58,8 @@ def check_split_files(prefix: str) -> None:
     idx_bytes = os.path.getsize(idx)
     with open(idx, "rb") as f:
         header = f.read(HEADER)
+    if not header:
+        raise DamagedDataError(idx, "is empty (0 bytes): the write that made it did not finish")
     if header[:len(LEGACY_MAGIC)] == LEGACY_MAGIC:
         return
     if header[:len(MAGIC)] != MAGIC:
@@ -70,6 +72,8 @@ def check_split_files(prefix: str) -> None:
 
     if version != 1 or code not in _code_to_dtype:
         raise DamagedDataError(idx, f"has a damaged header (version {version}, dtype code {code})")
+    if sentences == 0:  # fairseq cannot even map its empty .bin
+        raise _empty_split(idx)
     expected = HEADER + 12 * sentences
     if idx_bytes != expected:
         what = "truncated" if idx_bytes < expected else "longer than its header says"
@@ -117,8 +121,7 @@ def checked_loading(load_indexed_dataset):
 def check_loaded_split(path: str, dataset, dictionary) -> None:
     """A split with sentences, whose token ids are all symbols of ``dictionary`` (when given)."""
     if len(dataset) == 0:
-        raise DamagedDataError(path + ".idx", "holds no sentences: it was binarised from an empty file",
-                               "prepare the data again from a corpus with sentences in every split")
+        raise _empty_split(path + ".idx")
     if dictionary is None:
         return
     for part in [d for d in getattr(dataset, "datasets", [dataset]) if hasattr(d, "_bin_buffer")]:
@@ -128,6 +131,11 @@ def check_loaded_split(path: str, dataset, dictionary) -> None:
             raise DamagedDataError(part._path + ".bin", f"holds token id {largest} but its dictionary has "
                                                         f"{len(dictionary):,} symbols: the dictionary is not the "
                                                         "one this data was binarised with, or the .bin is damaged")
+
+
+def _empty_split(idx: str) -> DamagedDataError:
+    return DamagedDataError(idx, "holds no sentences: it was binarised from an empty file",
+                            "prepare the data again from a corpus with sentences in every split")
 
 
 def _source_path(dataset):
