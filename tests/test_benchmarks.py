@@ -309,3 +309,21 @@ def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tm
     assert "| moa_lm_small (4K8E64D) | 2 | 64 |" in (tmp_path / "lm.md").read_text()
 
 
+
+
+@pytest.mark.slow
+@needs_multi30k
+def test_last_batch_study_smoke_counts_both_rules(tmp_path):
+    """One epoch on the first 3,000 lines: fairseq's rule validates the sentences it does not leave out, the
+    plugin's every sentence of the split, and the table says so."""
+    out = tmp_path / "last-batch"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multi30k.last_batch", "--smoke", "--workdir",
+                           str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "last-batch.json").read_text())
+    sentences, left_out = report["left_out"]["2048"][:2]
+    (row,) = report["rows"]
+    assert row["sentences_every_sentence"] == sentences == 200  # the smoke mirror's validation lines
+    assert row["sentences_fairseq"] == sentences - left_out
+    assert (left_out == 0) == (row["nll_fairseq"] == row["nll_every_sentence"])
+    assert "| Transformer" in (tmp_path / "last-batch.md").read_text()
