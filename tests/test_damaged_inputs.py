@@ -193,6 +193,19 @@ def test_a_split_binarised_from_an_empty_file_is_named(made, tmp_path):
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
 
 
+def test_a_language_pair_whose_sides_differ_in_length_is_named(made, tmp_path):
+    """Both files of the target side swapped for another split's (21 sentences against the source's 20): each
+    file agrees with the other, and fairseq alone asserts; the two sides are named."""
+    data = _copy(made, tmp_path, "mt")
+    for ext in (".idx", ".bin"):
+        shutil.copyfile(os.path.join(data, "test.en-de.de" + ext), os.path.join(data, "valid.en-de.de" + ext))
+    proc = run_cli("fairseq-generate", data, "--user-dir", USER_DIR, "--cpu", "--path", made["mt_ckpt"],
+                   "--gen-subset", "valid", "--beam", "2", "--batch-size", "8", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "valid.en-de.en and " in last and "valid.en-de.de: hold 20 and 21 sentences" in last, last
+
+
 GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "troubleshooting.md")
 
 
