@@ -40,9 +40,8 @@ AVERAGE = 5          # last epoch checkpoints averaged
 SWEEP_EPOCHS = 10
 TOLERANCE = 0.01     # bits of validation NLL within which --reproduce must meet a recorded run
 # The validation rule of every recorded row: fairseq's, which leaves out the last batch of the length order
-# when it holds no multiple of 8 sentences (6 of the 1,014 validation sentences at 2,048 and 4,096 tokens per
-# batch, 1.6% of the target tokens; README "Validation and the last batch"). The study keeps it, so that its
-# rows stay comparable and --reproduce meets them; a row says so in "valid_rule".
+# when it holds no multiple of 8 sentences (what that leaves out: README, "Validation and the last batch").
+# The study keeps it, so that its rows stay comparable and --reproduce meets them; a row says so in "valid_rule".
 VALID_RULE = FAIRSEQ_RULE
 # recipe name -> learning rate (inverse_sqrt peak), warmup updates, tokens per batch, dropout
 SWEEP = {
