@@ -2,7 +2,7 @@
 
 fairseq's ``data_utils.batch_by_size`` drops the last batch of a split when its size is not a multiple of
 ``--required-batch-size-multiple`` (default 8; fairseq issue #5036). Batches are built in length order, so
-what goes is up to 7 of the longest sentences, silently: fairseq-generate translates fewer sentences than
+what goes is that last batch, the longest sentences, silently: fairseq-generate translates fewer sentences than
 the split holds, and the validation loss that fairseq-train prints, picks ``checkpoint_best.pt`` with and
 counts ``--patience`` on, and fairseq-validate's leave them out (a split that fits in one batch loses every
 sentence unless it holds a multiple of 8). (fairseq-eval-lm batches with a multiple of 1 whatever the flag
