@@ -11,6 +11,7 @@ every epoch checkpoint by both rules (fairseq's, and every sentence): the differ
 NLLs leave out. The recorded runs' own checkpoints are not kept, so they are not validated again here.
 """
 
+import contextlib
 import os
 import re
 
@@ -50,10 +51,7 @@ def validate(checkpoint, data_bin):
     for rule in ("fairseq", "every sentence"):
         command = [fairseq_command("fairseq-validate"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
                    "--path", checkpoint, "--valid-subset", "valid", "--max-tokens", "2048", "--cpu"]
-        if rule == "fairseq":
-            with fairseq_evaluation_batches():
-                output = run_logged(command)
-        else:
+        with fairseq_evaluation_batches() if rule == "fairseq" else contextlib.nullcontext():
             output = run_logged(command)
         match = _VALID.search(output)
         if not match:

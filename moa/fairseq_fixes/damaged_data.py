@@ -52,9 +52,7 @@ def check_split_files(prefix: str) -> None:
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     if not os.path.exists(idx) and not os.path.exists(bin_):
         return
-    for present, missing in ((idx, bin_), (bin_, idx)):
-        if not os.path.exists(missing):
-            raise DamagedDataError(missing, f"is missing beside {os.path.basename(present)}")
+    check_pair_present(prefix)
     idx_bytes = os.path.getsize(idx)
     with open(idx, "rb") as f:
         header = f.read(HEADER)
@@ -84,15 +82,23 @@ def check_split_files(prefix: str) -> None:
     offsets = np.frombuffer(index, dtype=np.int64, count=sentences, offset=4 * sentences)
     itemsize = np.dtype(_code_to_dtype[code]).itemsize
     ends = np.cumsum(lengths.astype(np.int64)) * itemsize
-    if sentences and ((lengths < 0).any() or offsets[0] != 0 or not np.array_equal(offsets[1:], ends[:-1])):
+    if (lengths < 0).any() or offsets[0] != 0 or not np.array_equal(offsets[1:], ends[:-1]):
         raise DamagedDataError(idx, "has sentence lengths and offsets that disagree: it was changed after it "
                                     "was written")
-    data_bytes, bin_bytes = int(ends[-1]) if sentences else 0, os.path.getsize(bin_)
+    data_bytes, bin_bytes = int(ends[-1]), os.path.getsize(bin_)
     if bin_bytes != data_bytes:
         what = "truncated" if bin_bytes < data_bytes else "longer than its index says"
         raise DamagedDataError(bin_, f"is {what}: {os.path.basename(idx)} counts {data_bytes:,} bytes of tokens "
                                      f"and it has {bin_bytes:,} (the .bin of another split, or a copy that did "
                                      f"not finish?)")
+
+
+def check_pair_present(prefix: str) -> None:
+    """Refuse a split ``prefix`` with one of its .idx and .bin there and the other missing."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for present, missing in ((idx, bin_), (bin_, idx)):
+        if os.path.exists(present) and not os.path.exists(missing):
+            raise DamagedDataError(missing, f"is missing beside {os.path.basename(present)}")
 
 
 def checked_loading(load_indexed_dataset):
@@ -172,10 +178,7 @@ def checked_split_exists(dataset_exists):
 
     def wrapper(path, impl):
         if impl in (None, "mmap", "cached", "lazy"):
-            idx, bin_ = os.path.exists(path + ".idx"), os.path.exists(path + ".bin")
-            if idx != bin_:
-                present, missing = (path + ".idx", path + ".bin") if idx else (path + ".bin", path + ".idx")
-                raise DamagedDataError(missing, f"is missing beside {os.path.basename(present)}")
+            check_pair_present(path)
         return dataset_exists(path, impl)
 
     return wrapper
