@@ -9,7 +9,9 @@ attention layout each assignment reads and writes:
 * :class:`ExpertDispatch` (MoA): the (batch, k, tgt_len) layout of multi-query attention, one row per
   assignment, so the k routed query heads of a token attend over the one shared K/V head;
 * :class:`HeadPacking` (MoH): the routed queries packed per (batch row, head), each head attending over
-  its own K/V, in time order and padded to the longest group of the batch.
+  its own K/V, in time order and padded to the longest group of the batch;
+* :class:`HeadExpertDispatch` (SwitchHead): each token's k experts in every head, read from or
+  written to the (batch, heads, len) layout of per-head attention.
 
 Both count the block sizes on the device; MoA's plan reads nothing on the host, MoH's reads one number
 (the packed layout's length is a shape), except under torch.compile, where it is the sequence length.
@@ -82,6 +84,28 @@ class HeadPacking:
         self.packed_row = packed_row[self.order]
         self.batch_time_row = (b * tgt_len + t)[self.order]  # row of (bsz * tgt_len) weights
         self.num_packed_rows = bsz * num_heads * self.length
+
+
+class HeadExpertDispatch:
+    """Where each (token, head, slot) assignment of a SwitchHead selection goes.
+
+    experts: (N, H * k) selected experts numbered h * E + e, head by head, tokens flattened time-first
+    (n = t * bsz + b). Sorted by expert, assignment p is token ``token[p]`` and row ``head_row[p]`` of
+    the attention layout (bsz, H, length) flattened, ``(b * H + h) * length + t``; ``counts`` (H * E,)
+    the block lengths, ``expert[p]`` the expert. The value projection reads ``token`` rows and sums into
+    ``head_row`` rows; the output projection the other way round. No host read."""
+
+    def __init__(self, experts: Tensor, num_heads: int, num_experts: int, length: int, bsz: int):
+        num_tokens, slots = experts.shape
+        top_k = slots // num_heads
+        flat = experts.reshape(-1)
+        self.order = order = flat.argsort(stable=True)  # sorted position -> assignment n * H * k + h * k + j
+        self.expert = flat[order]
+        self.token = order // slots
+        head = (order % slots) // top_k
+        t, b = self.token // bsz, self.token % bsz
+        self.head_row = (b * num_heads + head) * length + t
+        self.counts = _count(flat, num_heads * num_experts)
 
 
 def _count(values: Tensor, size: int) -> Tensor:

@@ -20,6 +20,9 @@ the non-padding tokens only:
 MoH (Jin et al. 2025, Sec. 3.2): :class:`TwoStageHeadRouter`, shared heads always on and top-K of
 the routed heads, weighted by a second stage that mixes the two groups (see its docstring); and
 :class:`QueryNormHeadRouter`, the parameter-free router of converted models (MoH-LLaMA3).
+
+SwitchHead (Csordas et al. 2024, Sec. 3): :class:`SigmoidTopKRouter`, non-competitive selection of
+k of E experts in each of H heads, weighted by the sigmoid scores themselves, no auxiliary loss.
 """
 
 from dataclasses import dataclass
@@ -397,3 +400,83 @@ class QueryNormHeadRouter(nn.Module):
         alpha = torch.full((), 1.0 if self.shared_heads else 0.0, device=device)
         return HeadRouting(heads, routed, load, probs, shared, torch.zeros((), device=device), alpha,
                            self.active_fraction, learned=False)
+
+
+@dataclass
+class SwitchHeadRouting(Routing):
+    """SwitchHead's selection of one projection (:class:`SigmoidTopKRouter`) over H heads of E experts:
+    ``selected`` (N, H * k) the experts, numbered ``h * E + e`` (expert e of head h), head by head;
+    ``gates`` (N, H * k) their sigmoid scores; ``load`` (H * E,) assignments per expert, padding
+    excluded; ``probs`` (N, H * E) every sigmoid score. No auxiliary loss (the paper has none): the
+    criterion adds nothing and logs the load's coefficient of variation."""
+
+    family: ClassVar[str] = "SwitchHead"
+
+    selected: Tensor
+    gates: Tensor
+    load: Optional[Tensor]
+    probs: Optional[Tensor]
+
+    def aux_losses(self) -> Dict[str, Tensor]:
+        return {}
+
+    def aux_loss(self, cfg, sample_size) -> Tensor:
+        return self.gates.new_zeros((), dtype=torch.float32)
+
+    def trains_router(self, cfg) -> bool:
+        return False
+
+
+class SigmoidTopKRouter(nn.Module):
+    """Routes each of N tokens to ``top_k`` of ``num_experts`` experts in each of ``num_heads`` heads.
+
+    Scores ``s = sigmoid(x W_sel^T)`` in float32, W_sel (H * E, d) with row ``h * E + e`` for expert e
+    of head h (the released layer's ``sel_v`` / ``sel_o``); in each head the k highest scores are kept
+    and are the gates themselves: no softmax over experts, no renormalisation (SwitchHead, Eq. 8-9).
+    ``expert_dropout`` (the released code's, in training only): each score is left out of the top-k
+    choice with that probability; a kept expert's gate is still its score. Initialised as the
+    released layer: N(0, 1/d), then rows rescaled by :func:`renorm_rows_`."""
+
+    def __init__(self, embed_dim: int, num_heads: int, num_experts: int, top_k: int, expert_dropout: float = 0.0):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be between 1 and num_experts, got top_k={top_k}, num_experts={num_experts}")
+        if not 0.0 <= expert_dropout < 1.0:
+            raise ValueError(f"expert_dropout must be in [0, 1), got {expert_dropout}")
+        self.num_heads, self.num_experts, self.top_k, self.expert_dropout = num_heads, num_experts, top_k, expert_dropout
+        self.weight = nn.Parameter(torch.empty(num_heads * num_experts, embed_dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.weight.size(1) ** -0.5)
+        renorm_rows_(self.weight)
+
+    def forward(self, x: Tensor, padding_mask: Optional[Tensor] = None, aux: bool = True) -> SwitchHeadRouting:
+        """x: (N, embed_dim); padding_mask: (N,) bool, True at padding (excluded from the load);
+        ``aux=False`` (incremental decoding) skips the load and the scores."""
+        scores = router_linear(x, self.weight).view(x.size(0), self.num_heads, self.num_experts).sigmoid()
+        with torch.no_grad():
+            eligible = scores
+            if self.expert_dropout and self.training:
+                eligible = scores.masked_fill(torch.rand_like(scores) < self.expert_dropout, float("-inf"))
+            experts = eligible.topk(self.top_k, dim=-1).indices  # (N, H, k)
+        gates = scores.gather(-1, experts).flatten(1)
+        offsets = torch.arange(self.num_heads, device=x.device).view(1, -1, 1) * self.num_experts
+        selected = (experts + offsets).flatten(1)  # (N, H * k), h * E + e
+        if not aux:
+            return SwitchHeadRouting(selected, gates.to(x.dtype), None, None)
+        weight = torch.ones_like(selected, dtype=scores.dtype)
+        if padding_mask is not None:
+            weight = weight * (~padding_mask).to(scores.dtype)[:, None]
+        load = scores.new_zeros(self.num_heads * self.num_experts).scatter_add_(0, selected.reshape(-1),
+                                                                                weight.reshape(-1))
+        return SwitchHeadRouting(selected, gates.to(x.dtype), load, scores.flatten(1))
+
+
+def renorm_rows_(weight: Tensor) -> None:
+    """Divide every row of ``weight`` by its norm, then multiply it by its former standard deviation over
+    that of the normalised matrix (the released SwitchHead's ``renorm_rows``)."""
+    std = weight.std(dim=-1, keepdim=True)
+    weight.div_(weight.norm(dim=-1, keepdim=True))
+    weight.mul_(std / weight.std())
