@@ -1,7 +1,8 @@
 """moa: Mixture-of-Attention-heads models for fairseq (``fairseq-train --user-dir moa``).
 
 Importing the package registers the ``moa_transformer``, ``moa_roberta``, ``moa_lm``,
-``moh_transformer``, ``moh_roberta`` and ``moh_lm`` models and their archs (and the Transformer twin
+``moh_transformer``, ``moh_roberta``, ``moh_lm``, ``switchhead_transformer`` and ``switchhead_lm`` models
+and their archs (and the Transformer twin
 ``transformer_lm_small``) and the ``moa_label_smoothed_cross_entropy``, ``moa_masked_lm`` and
 ``moa_cross_entropy`` criterions, and applies the plugin's changes to fairseq (:mod:`moa.fairseq_fixes.patches`:
 the safe loader's allow-list, damaged-checkpoint errors, data parallelism on CPU ranks), and gives torch's
@@ -16,4 +17,5 @@ patches.apply()
 flops.register()
 
 from moa import criterions  # noqa: E402,F401
-from moa.models import moa_lm, moa_roberta, moa_transformer, moh_lm, moh_roberta, moh_transformer  # noqa: E402,F401
+from moa.models import (moa_lm, moa_roberta, moa_transformer, moh_lm, moh_roberta, moh_transformer,  # noqa: E402,F401
+                        switchhead_lm, switchhead_transformer)

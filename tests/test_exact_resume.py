@@ -1,4 +1,5 @@
-"""A resumed run is the run one would have had: MoA and MoH, translation and masked LM.
+"""A resumed run is the run one would have had: MoA and MoH, translation and masked LM; SwitchHead
+translation (with expert dropout, whose draws must resume too).
 
 fairseq-train runs 8 updates with dropout on, saving a mid-epoch checkpoint at update 4
 (``--save-interval-updates 4``, an epoch being longer than 8 updates); a second run starts from
@@ -34,6 +35,9 @@ CASES = {
                                         "--moa-head-dim", "16", *TRANSLATION]),
     "moh-translation": ("translation", ["--arch", "moh_small", "--moh-shared-heads", "1", "--moh-top-k", "2",
                                         *TRANSLATION]),
+    "switchhead-translation": ("translation", ["--arch", "switchhead_small", "--switchhead-experts", "4",
+                                               "--switchhead-top-k", "2", "--switchhead-head-dim", "16",
+                                               "--switchhead-expert-dropout", "0.2", *TRANSLATION]),
     "moa-mlm": ("mlm", ["--arch", "moa_roberta_small", "--moa-experts", "4", "--moa-top-k", "2",
                         "--moa-head-dim", "16", *MLM]),
     "moh-mlm": ("mlm", ["--arch", "moh_roberta_small", "--moh-shared-heads", "1", "--moh-top-k", "2", *MLM]),

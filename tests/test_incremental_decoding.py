@@ -1,9 +1,10 @@
 """Incremental decoding (beam search's path) equals the full causal forward of the decoder, for
-MoA and MoH models whose routers send tokens to different experts or heads: MoA with a drawn router
+MoA, MoH and SwitchHead models whose routers send tokens to different experts or heads: MoA with a drawn router
 (a zero router would send every token to the same experts), on its routed path (per-expert
 projections) and its dense one (every expert in one matmul, what small batches take); MoH's learned
 and query-norm routers, its sparse decoding path (only the selected heads computed per step) beside
-its default, and its shared heads alone (top-K 0, the inference dial)."""
+its default, and its shared heads alone (top-K 0, the inference dial); SwitchHead on both paths (its
+value experts cached per key token) and with one expert per head."""
 
 import pytest
 import torch
@@ -13,10 +14,12 @@ from moa.models.routed_transformer import pop_named_routings
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routed_attention import CACHE_GROWTH_MIN_STEPS
+from moa.switchhead_attention import SwitchHeadAttention
 
 MOA = ["--moa-experts", "4", "--moa-head-dim", "8", "--moa-router-init", "normal"]
 MOH = ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--moh-shared-heads", "1"]
-MODELS = {  # id: (arch, flags, sparse: MoA's routed path at every size, MoH's sparse decoding path)
+SWITCHHEAD = ["--switchhead-heads", "2", "--switchhead-experts", "4", "--switchhead-head-dim", "8"]
+MODELS = {  # id: (arch, flags, sparse: MoA's and SwitchHead's routed path at every size, MoH's sparse decoding path)
     "moa-routed-2of4": ("moa_small", MOA + ["--moa-top-k", "2"], True),
     "moa-2of4-dense-path": ("moa_small", MOA + ["--moa-top-k", "2"], False),
     "moa-dense-4of4": ("moa_small", MOA + ["--moa-top-k", "4"], False),
@@ -27,6 +30,10 @@ MODELS = {  # id: (arch, flags, sparse: MoA's routed path at every size, MoH's s
     "moh-query-norm-1+top1of3": ("moh_small", MOH + ["--moh-top-k", "1", "--moh-router", "query-norm"], False),
     "moh-query-norm-1+top2of3-sparse-decoding": ("moh_small", MOH + ["--moh-top-k", "2", "--moh-router", "query-norm"],
                                                  True),
+    "switchhead-2H2of4-routed": ("switchhead_small", SWITCHHEAD + ["--switchhead-top-k", "2"], True),
+    "switchhead-2H2of4-dense-path": ("switchhead_small", SWITCHHEAD + ["--switchhead-top-k", "2"], False),
+    "switchhead-2H1of1": ("switchhead_small", ["--switchhead-heads", "2", "--switchhead-experts", "1",
+                                               "--switchhead-top-k", "1", "--switchhead-head-dim", "8"], False),
 }
 
 
@@ -45,7 +52,7 @@ def tiny_decoding_model(model_id):
     for module in model.modules():
         if isinstance(module, MixtureOfHeadsAttention):
             module.path = "packed" if sparse else "all-heads"
-        if isinstance(module, MixtureOfAttentionHeads):
+        if isinstance(module, (MixtureOfAttentionHeads, SwitchHeadAttention)):
             module.path = "routed" if sparse else "dense"
     return model
 
@@ -82,7 +89,8 @@ def test_step_by_step_equals_full_forward(any_tiny_model):
             steps.append(tiny_model.decoder(prev[:, : t + 1], encoder_out=encoder_out, incremental_state=state)[0])
             choices += _decoder_choices(tiny_model)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
-    if choices:  # the routers did route: the decoded tokens did not all take the same expert or head
+    one_expert = any(isinstance(m, SwitchHeadAttention) and m.num_experts == 1 for m in tiny_model.modules())
+    if choices and not one_expert:  # the routers did route: the decoded tokens did not all take the same expert or head
         assert len(set(torch.cat(choices).tolist())) > 1
 
 

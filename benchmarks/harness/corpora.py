@@ -20,6 +20,9 @@ from moa_tools import fairseq_command, run_logged
 MULTI30K = shared_data("multi30k")
 WIKITEXT = shared_data("wikitext-2", "wiki.valid.tokens")
 DEFAULT_MOA = "4K8E64D"
+# SwitchHead at MoA 4K8E64D's MACs per target token (within 1%), and at the Transformer's parameters (within
+# 0.5%) with one attention matrix per module, the Transformer's head width and the released k = 2
+SWITCHHEAD_EQUAL_COST, SWITCHHEAD_PARAMETERS = "2H2K4E56D", "1H2K7E64D"
 NARROW_FFN = 768  # the FFN width at which the Transformer costs what MoA 4K8E64D does (within 3%)
 # what every Multi30k study trains with; learning rate, warmup, dropout, batch and checkpoints are each study's own
 COMMON_TRAINING = ["--task", "translation", "--share-all-embeddings", "--label-smoothing", "0.1",
@@ -42,6 +45,17 @@ def moa_expert_flags(moa_config: str) -> list:
     return ["--moa-top-k", k, "--moa-experts", e, "--moa-head-dim", d]
 
 
+def switchhead_expert_flags(config: str) -> list:
+    """fairseq-train's SwitchHead flags for a configuration written HhKkEeDd (``2H2K4E56D``: 2 heads of width
+    56, each choosing 2 of 4 value and output experts); ValueError naming the expected form otherwise."""
+    match = re.fullmatch(r"(\d+)H(\d+)K(\d+)E(\d+)D", config)
+    if not match:
+        raise ValueError(f"SwitchHead configuration {config!r}: write it as HhKkEeDd, e.g. 2H2K4E56D")
+    heads, top_k, experts, head_dim = match.groups()
+    return ["--switchhead-heads", heads, "--switchhead-top-k", top_k, "--switchhead-experts", experts,
+            "--switchhead-head-dim", head_dim]
+
+
 def multi30k_models(moa_config=DEFAULT_MOA):
     """--models id -> (label in the tables, fairseq-train arguments), MoA as ``moa_config`` (kKeEdD).
     Result rows carry the id (``model_id``); the label is only what the tables print."""
@@ -49,6 +63,7 @@ def multi30k_models(moa_config=DEFAULT_MOA):
                 "--moa-beta", "0.001", *moa_expert_flags(moa_config)]
     moh_args = ["--arch", "moh_small", "--criterion", "moa_label_smoothed_cross_entropy", "--moh-beta", "0.01"]
     self_only = ["--moa-attention-types", "encoder-self,decoder-self"]
+    switchhead_args = ["--arch", "switchhead_small", "--criterion", "moa_label_smoothed_cross_entropy"]
     return {
         "moa": (f"MoA {moa_config} (moa_small)", moa_args),
         "moa-self": (f"MoA {moa_config} self-attn, MHA cross (moa_small)", moa_args + self_only),
@@ -60,6 +75,10 @@ def multi30k_models(moa_config=DEFAULT_MOA):
         "moa-released": (f"MoA {moa_config}, the released code's choices", moa_args + ["--moa-released-code"]),
         "moh": ("MoH 2+1of2, paper gates (moh_small)", moh_args + ["--moh-gate-scale", "softmax"]),
         "moh-unit": ("MoH 2+1of2, unit gates (moh_small)", moh_args + ["--moh-gate-scale", "unit"]),
+        "switchhead": (f"SwitchHead {SWITCHHEAD_EQUAL_COST} (switchhead_small)",
+                       switchhead_args + switchhead_expert_flags(SWITCHHEAD_EQUAL_COST)),
+        "switchhead-params": (f"SwitchHead {SWITCHHEAD_PARAMETERS}, the Transformer's parameters (switchhead_small)",
+                              switchhead_args + switchhead_expert_flags(SWITCHHEAD_PARAMETERS)),
         "transformer": ("Transformer 4x64 (transformer)", TRANSFORMER),
         "transformer-narrow": (f"Transformer 4x64, FFN {NARROW_FFN} (transformer)",
                                TRANSFORMER + [f"--{side}-ffn-embed-dim={NARROW_FFN}" for side in ("encoder", "decoder")]),

@@ -17,15 +17,18 @@ def forward_macs(model, source, prev):
 
 
 def routed_paths(model):
-    """Set MoA and MoH to their routed paths (only the selected experts' or heads' projections)."""
+    """Set MoA, MoH and SwitchHead to their routed paths (only the selected experts' or heads' projections)."""
     from moa.moa_attention import MixtureOfAttentionHeads
     from moa.moh_attention import MixtureOfHeadsAttention
+    from moa.switchhead_attention import SwitchHeadAttention
 
     for module in model.modules():
         if isinstance(module, MixtureOfAttentionHeads):
             module.path = "routed"
         if isinstance(module, MixtureOfHeadsAttention):
             module.path = "packed"
+        if isinstance(module, SwitchHeadAttention):
+            module.path = "routed"
     return model
 
 

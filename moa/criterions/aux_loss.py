@@ -107,7 +107,7 @@ def reduce_routing_metrics(logging_outputs) -> None:
     sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
     if not torch.is_tensor(sample_size) and not sample_size:
         return
-    logged = sorted({key for log in logging_outputs for key in log if key.startswith(("moa_", "moh_", "routing/"))})
+    logged = sorted({key for log in logging_outputs for key in log if key.startswith(("moa_", "moh_", "switchhead_", "routing/"))})
     for key in [AUX_LOSS, *logged]:
         if not any(key in log for log in logging_outputs):
             continue

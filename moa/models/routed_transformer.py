@@ -236,7 +236,7 @@ class RoutedModel:
 
     def describe_active_share(self) -> str:
         """One line for the model summary, e.g. ``MoH: 12 of 16 heads active per token (75.0%)``."""
-        unit = {"MoA": "experts", "MoH": "heads"}
+        unit = {"MoA": "experts", "MoH": "heads", "SwitchHead": "value and output experts"}
         return "; ".join(f"{family}: {a} of {t} {unit.get(family, 'heads')} active per token ({a / t:.1%})"
                          for family, (a, t) in sorted(self.active_share().items()))
 
