@@ -1,5 +1,5 @@
 """torch.compile of the routed attention modules (moa.routed_attention.compile_routed_attention, the models'
---compile-routed-attention): MoA and MoH, training and beam search through fairseq's SequenceGenerator, in
+--compile-routed-attention): MoA, MoH and SwitchHead, training and beam search through fairseq's SequenceGenerator, in
 float32 and bfloat16, equal to eager, with a number of graphs that stops growing once each kind of call has
 been seen (other lengths, batches and routings run the same graphs).
 
@@ -17,7 +17,9 @@ from moa.routed_attention import compile_routed_attention
 
 FLAGS = {"moa_small": ["--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8", "--moa-router-init", "normal"],
          "moh_small": ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--moh-shared-heads", "1",
-                       "--moh-top-k", "1"]}
+                       "--moh-top-k", "1"],
+         "switchhead_small": ["--switchhead-heads", "2", "--switchhead-experts", "4", "--switchhead-top-k", "2",
+                              "--switchhead-head-dim", "8"]}
 SHAPE = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
          "--dropout", "0", "--attention-dropout", "0"]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -73,7 +75,7 @@ def compiled_against_eager(arch, dtype, backend, lengths, device="cpu"):
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
                          ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["moa_small", "moh_small"])
+@pytest.mark.parametrize("arch", ["moa_small", "moh_small", "switchhead_small"])
 def test_compiled_routed_modules_train_and_beam_search_as_eager_with_bounded_graphs(arch, dtype):
     made = compiled_against_eager(arch, dtype, "aot_eager", lengths=(5, 8, 6, 7))
     assert 0 < made[0] <= 16

@@ -17,13 +17,17 @@ SMALL = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim"
          "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
          "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]  # fairseq's transformer at moa_small's shape
 SHAPES = {  # name -> archs, extra flags, dictionary size, batch, length, beam sentences
-    "small": (("transformer", "moa_small", "moh_small", "moh_small/query-norm"),
+    "small": (("transformer", "moa_small", "moh_small", "moh_small/query-norm", "switchhead_small",
+               "switchhead_small/1H2K7E64D"),
               SMALL + ["--dropout", "0.3", "--attention-dropout", "0.1"], 8000, 128, 16, 32),
-    "models": (("transformer_wmt_en_de", "moa_base", "moh_base"), [], 32768, 64, 32, 16),
+    "models": (("transformer_wmt_en_de", "moa_base", "moh_base", "switchhead_base"), [], 32768, 64, 32, 16),
 }
 VARIANTS = {  # model name -> (arch, its flags)
     # what moa-convert-moh makes of the Transformer at 75% of the heads with the parameter-free router
     "moh_small/query-norm": ("moh_small", ["--moh-router", "query-norm"]),
+    # SwitchHead at the Transformer's parameters (the converged study's switchhead-params)
+    "switchhead_small/1H2K7E64D": ("switchhead_small", ["--switchhead-heads", "1", "--switchhead-experts", "7",
+                                                        "--switchhead-top-k", "2", "--switchhead-head-dim", "64"]),
 }
 
 
@@ -59,11 +63,11 @@ def synthetic_batch(model, bsz, src_len, tgt_len, device="cpu", seed=0):
 
 def criterion_for(model, arch):
     """fairseq-train's criterion for ``arch``: label-smoothed cross-entropy (0.1), with the routed models'
-    auxiliary losses for MoA and MoH."""
+    auxiliary losses (none for SwitchHead) for the plugin's archs."""
     from fairseq.criterions import CRITERION_REGISTRY
 
     task = type("Task", (), {"target_dictionary": model.decoder.dictionary})()
-    name = "moa_label_smoothed_cross_entropy" if arch.startswith(("moa", "moh")) else "label_smoothed_cross_entropy"
+    name = "moa_label_smoothed_cross_entropy" if arch.startswith(("moa", "moh", "switchhead")) else "label_smoothed_cross_entropy"
     return CRITERION_REGISTRY[name](task, sentence_avg=False, label_smoothing=0.1)
 
 

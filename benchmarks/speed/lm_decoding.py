@@ -36,6 +36,7 @@ MODELS = {  # id: (label, arch, flags, module settings)
                ["--moh-shared-heads", "1", "--moh-top-k", "1"], {}),
     "moh-50-all-heads": ("the same, every head computed", "moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k", "1"],
                          {"path": "all-heads"}),
+    "switchhead": ("switchhead_lm_small (2H2K4E56D)", "switchhead_lm_small", [], {}),
 }
 PAPER_MS = {256: {"mha": 0.360, "moh-50": 0.225, "moh-75": 0.321}, 512: {"mha": 1.376, "moh-50": 0.863, "moh-75": 1.180}}
 

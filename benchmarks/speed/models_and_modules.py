@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import moa  # noqa: F401  (registers the plugin)
-from benchmarks.harness.macs import moa_module_macs, moh_module_macs
+from benchmarks.harness.macs import forward_macs, moa_module_macs, moh_module_macs, routed_paths
 from benchmarks.harness.models import (SHAPES, beam_decode, cached_attention_step, criterion_for, shape_model,
                                        synthetic_batch, train_step)
 from benchmarks.harness.profiling import profile
@@ -228,6 +228,7 @@ def side_by_side(shape, device, rounds, profile_dir=None):
         jobs[(arch, "decode")] = beam_decode(model, sample, sentences, length)
         rows.append({"arch": arch, "batch": f"{bsz}x{length}", "beam4_sentences": sentences, "rounds": rounds,
                      "parameters": sum(p.numel() for p in model.parameters()),
+                     "forward_macs_per_target_token": training_batch_macs(shape, arch, sample),
                      "kv_cache_bytes_per_token_per_layer": kv_cache_bytes_per_token_layer(model, device)})
     times = interleaved(jobs, rounds, device=device)
     for row in rows:
@@ -235,6 +236,7 @@ def side_by_side(shape, device, rounds, profile_dir=None):
             row[f"{job}_ms"] = ms(times[(row["arch"], job)])
             row[f"{job}_ratio"] = ratio(times[(row["arch"], job)], times[(archs[0], job)])
         row["train_words_per_s"] = bsz * length / (row["train_ms"] / 1e3)
+        row["macs_ratio"] = row["forward_macs_per_target_token"] / rows[0]["forward_macs_per_target_token"]
         row["beam4_sentences_per_s"] = sentences / (row["decode_ms"] / 1e3)
         out = subprocess.run([sys.executable, "-m", "benchmarks.speed.models_and_modules", "--memory-child", shape,
                               row["arch"], "--device", device.type], capture_output=True, text=True, check=True, cwd=ROOT)
@@ -248,6 +250,14 @@ def side_by_side(shape, device, rounds, profile_dir=None):
                 f"{arch}, {job}: {bsz}x{length} training batch, beam-4 decoding of {sentences} sentences forced to "
                 f"{length} tokens", provenance("speed.models_and_modules"), device)
     return rows
+
+
+def training_batch_macs(shape, arch, sample):
+    """Forward MACs per target token of ``arch`` on the timed training batch, counted by torch's FLOP counter
+    on the routed paths (:func:`benchmarks.harness.macs.forward_macs`), on a fresh copy of the model."""
+    model = routed_paths(shape_model(shape, arch).eval())
+    net = sample["net_input"]
+    return forward_macs(model, net["src_tokens"].cpu(), net["prev_output_tokens"].cpu()) / sample["ntokens"]
 
 
 def memory_child(shape, arch, device):
@@ -319,10 +329,13 @@ def markdown(report):
             r0 = report[section][0]
             lines += ["", f"{title}: a training step on {r0['batch']} tokens, beam-4 decoding of {r0['beam4_sentences']} "
                       f"sentences; medians of {r0['rounds']} interleaved rounds, ratios to {r0['arch']} per round.", ""]
-            lines += table(["arch", "parameters", "train step ms", "ratio", "train words/s", "beam-4 decode ms", "ratio",
+            lines += table(["arch", "parameters", "MACs ratio", "train step ms", "ratio", "train words/s",
+                            "beam-4 decode ms", "ratio",
                             "sentences/s", "K/V cache bytes/token/layer", "peak train memory MB", "ratio",
                             "saved activations MB", "ratio"],
-                           [[r["arch"], f"{r['parameters']:,}", f"{r['train_ms']:.0f}", f"{r['train_ratio']:.2f}x",
+                           [[r["arch"], f"{r['parameters']:,}",
+                             f"{r['macs_ratio']:.2f}x" if "macs_ratio" in r else "",
+                             f"{r['train_ms']:.0f}", f"{r['train_ratio']:.2f}x",
                              f"{r['train_words_per_s']:.0f}", f"{r['decode_ms']:.0f}", f"{r['decode_ratio']:.2f}x",
                              f"{r['beam4_sentences_per_s']:.1f}", f"{r['kv_cache_bytes_per_token_per_layer']:.0f}",
                              f"{r['peak_mb']:.0f}", f"{r['peak_memory_ratio']:.2f}", f"{r['saved_activations_mb']:.0f}",
