@@ -100,13 +100,15 @@ def looped_mm(rows: Tensor, w: Tensor, ends: Tensor) -> Tensor:
 
 def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor, dst: Tensor, counts: Tensor,
                   out_rows: int, scale: Optional[Tensor] = None, dst_is_permutation: bool = False,
-                  expert_dim: int = 0, experts: Optional[Tensor] = None) -> Tensor:
+                  expert_dim: int = 0, experts: Optional[Tensor] = None, scale_output: bool = False) -> Tensor:
     """Grouped expert projection with gather, row scaling and scatter-add built in.
 
     x: (rows_in, in_dim); weight: (E, in_dim, out_dim), or (in_dim, E, out_dim) with ``expert_dim=1``;
     bias: (E, out_dim) or None; src, dst: (M,) row indices, sorted by expert in blocks of ``counts``
     (E,) int64 on the device; scale: (M,) per-assignment factor on the gathered row (MoA's gate weight),
-    or None; experts: (M,) the expert of each assignment (derived from the counts when not given).
+    or None, applied to the product instead with ``scale_output`` (the same by linearity, without a bias;
+    cheaper where out_dim < in_dim); experts: (M,) the expert of each assignment (derived from the counts
+    when not given).
     Returns (out_rows, out_dim) with ``out[dst[p]] = sum of (scale[p] * x[src[p]]) @ weight[e(p)] (+ bias[e(p)])``.
     Rows of dst that no assignment names stay zero and repeated dst rows are summed (on CUDA in a
     nondeterministic order, as index_add is there), unless ``dst_is_permutation`` promises that dst
@@ -117,8 +119,10 @@ def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor
         x, weight = x.to(dtype), weight.to(dtype)
         bias, scale = (None if t is None else t.to(dtype) for t in (bias, scale))
     w = weight if expert_dim == 0 else weight.transpose(0, 1)  # (E, in_dim, out_dim)
+    if scale_output and bias is not None:
+        raise ValueError("scale_output scales the product: give the bias to the caller (it would be scaled too)")
     rows = x.index_select(0, src)
-    if scale is not None:
+    if scale is not None and not scale_output:
         rows = rows * scale.unsqueeze(1)
     assignments = src.numel()
     padding = padded_counts(counts, rows, assignments)
@@ -135,6 +139,8 @@ def expert_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], src: Tensor
         y = grouped_mm(layout, w, ends).index_select(0, at)
     if bias is not None:  # gathered in float32 at least, so that its gradient is summed in float32
         y = y + bias.to(torch.promote_types(bias.dtype, torch.float32))[experts].to(y.dtype)
+    if scale is not None and scale_output:
+        y = y * scale.unsqueeze(1)
     if dst_is_permutation:  # every row written once: no zero fill, no accumulation
         return y.new_empty(out_rows, y.size(1)).index_copy_(0, dst, y)
     return y.new_zeros(out_rows, y.size(1)).index_add_(0, dst, y)

@@ -195,3 +195,24 @@ def test_half_precision_groups_are_padded_to_a_few_row_counts_on_a_cpu():
     assert padded.tolist() == [16, 0, 32, 16, 320, 256, 288]
     assert int(padded.sum()) <= rows
     assert padded_counts(counts, x.float(), int(counts.sum())) is None
+
+
+def test_scaling_the_product_equals_scaling_the_rows_and_refuses_a_bias():
+    """``scale_output`` (SwitchHead's value experts: the product is narrower than the row) gives the output and
+    gradients of scaling the gathered rows, in float64; with a bias it would scale the bias too, so it refuses."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, 2, dtype=torch.float64, requires_grad=True)
+    src = torch.tensor([0, 3, 1, 1, 4, 5, 2])
+    dst = torch.tensor([2, 0, 1, 3, 3, 2, 0])
+    counts = torch.tensor([2, 3, 2])
+    scale = torch.rand(7, dtype=torch.float64, requires_grad=True)
+    results = []
+    for scale_output in (False, True):
+        y = expert_linear(x, w, None, src, dst, counts, 4, scale=scale, scale_output=scale_output)
+        grads = torch.autograd.grad((y * torch.arange(8.0, dtype=torch.float64).view(4, 2)).sum(), (x, w, scale))
+        results.append((y, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="scale_output"):
+        expert_linear(x, w, torch.zeros(3, 2, dtype=torch.float64), src, dst, counts, 4, scale=scale, scale_output=True)
