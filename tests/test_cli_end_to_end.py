@@ -30,6 +30,8 @@ COMMON = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim
 TRAIN = ["--arch", "moa_small", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16", *COMMON]
 MOH_TRAIN = ["--arch", "moh_small", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
              "--moh-shared-heads", "1", "--moh-top-k", "2", *COMMON]
+SWITCHHEAD_TRAIN = ["--arch", "switchhead_small", "--switchhead-experts", "4", "--switchhead-top-k", "2",
+                    "--switchhead-head-dim", "16", *COMMON]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def test_generate_translates_every_test_sentence_and_scores(trained):
     assert short.returncode == 1 and "translated 36 sentences for 37 references; missing ids start [5]" in short.stderr
 
 
-@pytest.mark.parametrize("fixture", ["trained", "trained_moh"])
+@pytest.mark.parametrize("fixture", ["trained", "trained_moh", "trained_switchhead"])
 def test_two_generate_processes_print_the_same_bytes(fixture, request):
     """No path is chosen by timing: two fairseq-generate processes on one checkpoint print the same
     sources, hypotheses, scores and positional scores, to the last digit."""
@@ -200,6 +202,33 @@ def test_moh_trains_translates_every_test_sentence_and_scores(trained_moh):
     assert f"{TEST_SENTENCES} of {TEST_SENTENCES} test sentences translated" in scored.stdout
 
 
+@pytest.fixture(scope="module")
+def trained_switchhead(trained, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("e2e-switchhead") / "checkpoints")
+    train = run_cli("fairseq-train", trained["data_bin"], "--user-dir", USER_DIR, *SWITCHHEAD_TRAIN, "--save-dir", ckpt,
+                    "--max-update", "20")
+    return dict(trained, ckpt=ckpt, train_log=train.stdout + train.stderr)
+
+
+def test_switchhead_trains_translates_every_test_sentence_and_scores(trained_switchhead):
+    log = trained_switchhead["train_log"]
+    assert "SwitchHeadTransformerModel" in log and "SwitchHeadAttention" in log
+    assert "SwitchHead: 12 of 24 value and output experts active per token (50.0%)" in log  # 3 modules, 2 heads
+    last = dict(re.findall(r"\| (\w+) ([-\d.]+)", [line for line in log.splitlines() if "| train |" in line][-1]))
+    assert int(last["num_updates"]) == 20 and float(last["aux_loss"]) == 0 and "switchhead_load_cv" in last
+    assert float(last["loss"]) < uniform_bits(trained_switchhead["data_bin"]) - 1
+    proc = run_cli("fairseq-generate", trained_switchhead["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset",
+                   "test", "--path", os.path.join(trained_switchhead["ckpt"], "checkpoint_last.pt"), "--beam", "4",
+                   "--lenpen", "0.6", "--batch-size", "8", "--required-batch-size-multiple", "1",
+                   "--post-process", "subword_nmt")
+    generate_log = os.path.join(trained_switchhead["ckpt"], "generate.log")
+    with open(generate_log, "w", encoding="utf-8") as f:
+        f.write(proc.stdout)
+    assert f"Translated {TEST_SENTENCES} sentences" in proc.stdout + proc.stderr
+    scored = run_cli("moa-score", generate_log, os.path.join(trained_switchhead["raw"], "test.ref.de"), "--lang", "de")
+    assert f"{TEST_SENTENCES} of {TEST_SENTENCES} test sentences translated" in scored.stdout
+
+
 def _hypotheses(output):
     """{sentence id: hypothesis} from fairseq-generate's output."""
     return {int(i): text for i, text in re.findall(r"^H-(\d+)\t\S+\t(.*)$", output, re.M)}
@@ -209,13 +238,15 @@ def _hypotheses(output):
     ("moa", "{'moa_top_k': 1}", "MoA: 6 of 12 experts", "MoA: 3 of 12 experts"),  # 3 modules, trained with 2 of 4
     ("moh", "{'moh_top_k': 0}", "MoH: 9 of 12 heads", "MoH: 3 of 12 heads"),  # trained 1 shared + top-2 of 3
     ("moh", "{'moh_top_k': 3}", "MoH: 9 of 12 heads", "MoH: 12 of 12 heads"),  # every head
+    ("switchhead", "{'switchhead_top_k': 1}", "SwitchHead: 12 of 24 value and output experts",
+     "SwitchHead: 6 of 24 value and output experts"),  # trained with 2 of 4 per head
 ])
-def test_the_compute_dial_decodes_a_trained_model_with_another_k(trained, trained_moh, model, overrides,
-                                                                   trained_share, share):
+def test_the_compute_dial_decodes_a_trained_model_with_another_k(trained, trained_moh, trained_switchhead, model,
+                                                                   overrides, trained_share, share):
     """fairseq-generate --model-overrides changes the number of active experts or routed heads of a trained
     model: the run says so itself (the model summary it logs), translates every sentence, and its hypotheses
     are another k's: not all the trained k's, which a second run without the override prints again."""
-    fixture = trained if model == "moa" else trained_moh
+    fixture = {"moa": trained, "moh": trained_moh, "switchhead": trained_switchhead}[model]
 
     def generate(*extra):
         proc = run_cli("fairseq-generate", fixture["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset",

@@ -1,6 +1,6 @@
 """The decoder-only language models: the archs' shapes and K/V widths, per-layer budgets and their
 errors, incremental decoding (sampling's path) against the full causal forward on every decoding
-path, the moa_cross_entropy criterion, and moa-convert-moh on a transformer_lm (exact at all heads)."""
+path (MoA, MoH, SwitchHead), the moa_cross_entropy criterion, and moa-convert-moh on a transformer_lm (exact at all heads)."""
 
 import argparse
 import subprocess
@@ -18,6 +18,7 @@ from moa.models.routed_transformer import pop_named_routings
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
 from moa.routed_attention import store_capacity
+from moa.switchhead_attention import SwitchHeadAttention
 from moa_tools.moh_conversion import convert
 
 TINY_LM = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
@@ -38,16 +39,21 @@ def routed(model, kind):
 
 
 @pytest.mark.parametrize("arch,twin", [("moa_lm_small", "transformer_lm_small"), ("moh_lm_small", "transformer_lm_small"),
-                                       ("moa_lm_base", "transformer_lm"), ("moh_lm_base", "transformer_lm_gpt")])
+                                       ("moa_lm_base", "transformer_lm"), ("moh_lm_base", "transformer_lm_gpt"),
+                                       ("switchhead_lm_small", "transformer_lm_small")])
 def test_lm_archs_have_their_twins_shape_and_routed_self_attention_in_every_layer(arch, twin):
     model, reference = build_lm(arch), build_lm(twin)
     assert len(model.decoder.layers) == len(reference.decoder.layers)
     assert model.decoder.embed_dim == reference.decoder.embed_dim
     assert model.decoder.layers[0].fc1.out_features == reference.decoder.layers[0].fc1.out_features
     assert all(layer.encoder_attn is None for layer in model.decoder.layers)
-    kind = MixtureOfAttentionHeads if arch.startswith("moa") else MixtureOfHeadsAttention
+    kind = {"moa": MixtureOfAttentionHeads, "moh": MixtureOfHeadsAttention,
+            "switchhead": SwitchHeadAttention}[arch.split("_")[0]]
     assert len(routed(model, kind)) == len(model.decoder.layers)
-    if kind is MixtureOfAttentionHeads:  # one shared K/V head: a quarter of the twin's cache
+    if kind is SwitchHeadAttention:  # two heads of 56 cached against four of 64: 7/16 of the twin's cache
+        cache = model.decoder.layers[0].self_attn.k_proj.out_features
+        assert cache / reference.decoder.layers[0].self_attn.k_proj.out_features == 7 / 16
+    elif kind is MixtureOfAttentionHeads:  # one shared K/V head: a quarter of the twin's cache
         cache = model.decoder.layers[0].self_attn.k_proj.out_features
         assert cache / reference.decoder.layers[0].self_attn.k_proj.out_features == 0.25
     else:  # MoH keeps every head's K/V and the twin's parameter names
@@ -90,6 +96,10 @@ PATHS = {  # id: (arch, flags, module attribute -> value)
     "moh-packed": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k-per-layer", "1,2,3"], {"path": "packed"}),
     "moh-query-norm": ("moh_lm_small", ["--moh-shared-heads", "1", "--moh-top-k", "2", "--moh-router", "query-norm"], {}),
     "moh-no-shared-head": ("moh_lm_small", ["--moh-shared-heads", "0", "--moh-top-k", "2"], {}),
+    "switchhead-routed": ("switchhead_lm_small", ["--switchhead-experts", "4", "--switchhead-top-k", "2",
+                                                  "--switchhead-head-dim", "8"], {"path": "routed"}),
+    "switchhead-dense": ("switchhead_lm_small", ["--switchhead-experts", "4", "--switchhead-top-k", "2",
+                                                 "--switchhead-head-dim", "8"], {"path": "dense"}),
 }
 
 

@@ -1,6 +1,7 @@
 """The language models through fairseq's own CLIs and the LM recipe: examples/lm prepares a
 WikiText-103-shaped archive cut from WikiText-2 (words as they are), examples/lm/train.sh trains
-moh_lm_small with per-layer budgets, moa_lm_small and the twin transformer_lm_small a few updates,
+moh_lm_small with per-layer budgets, moa_lm_small, switchhead_lm_small and the twin transformer_lm_small a few
+updates,
 fairseq-eval-lm scores them with a context window, fairseq-interactive samples from them, and
 moa-convert-moh turns the trained transformer_lm into MoH (exact at every head, through eval-lm)."""
 
@@ -21,6 +22,7 @@ SHAPE = ["--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-em
          "--num-workers", "0", "--seed", "1"]
 MODELS = {"moh": ("moh_lm_small", ["--moh-top-k-per-layer", "1,2", "--moh-shared-heads", "1"]),
           "moa": ("moa_lm_small", ["--moa-experts", "4", "--moa-head-dim", "16", "--moa-top-k", "2"]),
+          "switchhead": ("switchhead_lm_small", ["--switchhead-experts", "4", "--switchhead-head-dim", "16"]),
           "transformer": ("transformer_lm_small", [])}
 
 
@@ -57,6 +59,9 @@ def test_the_recipe_binarises_words_and_every_lm_trains_with_its_criterion(lm):
     moh, moa, transformer = lm["logs"]["moh"], lm["logs"]["moa"], lm["logs"]["transformer"]
     assert "MoH: 5 of 8 heads active per token (62.5%)" in moh  # 1 shared + top-1, then top-2, of 4 heads
     assert "MoA: 4 of 8 experts active per token (50.0%)" in moa
+    switchhead = lm["logs"]["switchhead"]  # 2 heads x 2 of 4 experts, 2 layers
+    assert "SwitchHead: 8 of 16 value and output experts active per token (50.0%)" in switchhead
+    assert "switchhead_load_cv=" in switchhead and "aux_loss=0" in switchhead
     for log, figure in ((moh, "moh_lb"), (moa, "moa_la")):
         losses = [float(x) for x in re.findall(r"train_inner .* loss=([\d.]+)", log)]
         assert f"{figure}=" in log and len(losses) == 3 and losses[-1] < losses[0]
