@@ -16,6 +16,7 @@ import os
 import re
 import statistics
 
+from benchmarks.harness.corpora import SWITCHHEAD_EQUAL_COST, SWITCHHEAD_PARAMETERS
 from benchmarks.harness.results import provenance, provenance_line, table, write_atomically
 
 NLL_TIE = 0.02  # bits of validation NLL: smaller in every seed is a tie, not a finding
@@ -30,7 +31,19 @@ QUESTIONS = [("MoA 4K8E64D against the Transformer", "moa", "4K8E64D", "transfor
              ("MoA 4K16E64D against the Transformer", "moa", "4K16E64D", "transformer"),
              ("MoA 4K32E64D against the Transformer", "moa", "4K32E64D", "transformer"),
              ("MoA 4K4E128D (the paper base's proportions) against the Transformer", "moa", "4K4E128D", "transformer"),
-             ("MoA in self-attention only against the Transformer", "moa-self", "4K8E64D", "transformer")]
+             ("MoA in self-attention only against the Transformer", "moa-self", "4K8E64D", "transformer"),
+             (f"SwitchHead {SWITCHHEAD_EQUAL_COST} (MoA 4K8E64D's cost) against the Transformer", "switchhead", None,
+              "transformer"),
+             (f"SwitchHead {SWITCHHEAD_EQUAL_COST} against the Transformer of its cost (FFN 768)", "switchhead", None,
+              "transformer-narrow"),
+             (f"SwitchHead {SWITCHHEAD_EQUAL_COST} against MoA 4K8E64D at equal cost", "switchhead", None,
+              "moa 4K8E64D"),
+             (f"SwitchHead {SWITCHHEAD_EQUAL_COST} against MoA 4K4E64D at equal cost", "switchhead", None,
+              "moa 4K4E64D"),
+             (f"SwitchHead {SWITCHHEAD_PARAMETERS} (the Transformer's parameters) against the Transformer",
+              "switchhead-params", None, "transformer"),
+             (f"SwitchHead {SWITCHHEAD_PARAMETERS} against the Transformer of MoA's cost (FFN 768)", "switchhead-params",
+              None, "transformer-narrow")]
 
 
 def rows_in(folder):
