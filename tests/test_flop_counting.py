@@ -1,4 +1,4 @@
-"""torch's FLOP counter counts what MoA and MoH compute (moa.flops): the experts' grouped GEMM and the CPU's
+"""torch's FLOP counter counts what MoA, MoH and SwitchHead compute (moa.flops): the experts' grouped GEMM and the CPU's
 fused attention included, on the path training runs (fused attention, no weights) and on the one that returns
 attention weights (plain matmuls), in float32 and bfloat16.
 
@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from moa.experts import padded_counts
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
+from moa.switchhead_attention import SwitchHeadAttention
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -71,3 +72,27 @@ def test_moh_module_counts_the_active_heads(dtype):
                 + B * routed * length * T * head * 2)  # routed heads' attention over the packed queries
     assert macs == pytest.approx(expected, rel=1e-9)
 
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["fused-attention", "attention-as-matmuls"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_switchhead_module_counts_the_selected_value_and_output_experts(dtype, need_weights):
+    """SwitchHead (moa.switchhead_attention) on its routed path: the dense Q and K, each head's k value experts
+    per source token and k output experts per query token, the two sigmoid selections, attention per head."""
+    torch.manual_seed(0)
+    d, heads, experts, k, head, T, B = 256, 2, 4, 2, 56, 40, 2
+    m = SwitchHeadAttention(d, heads, experts, k, head, self_attention=True).to(dtype)
+    m.path = "routed"
+    x = torch.randn(T, B, d, dtype=dtype)
+    macs = counted_macs(m, x, need_weights)
+    n = T * B
+    value_routing = m.value_router(x.reshape(n, d), aux=False)
+    rows = [grouped_rows(torch.bincount(r.selected.reshape(-1), minlength=heads * experts), x, n * heads * k)
+            for r in (value_routing, m.routing)]
+    expected = (2 * n * d * heads * experts      # the value and output selections
+                + 2 * n * d * heads * head       # dense W_q and W_k
+                + (rows[0] + rows[1]) * d * head  # the selected value and output experts
+                + B * heads * T * T * head * 2)  # q K^T and A V per head
+    assert macs == pytest.approx(expected, rel=1e-9)
+    if dtype == torch.float32:
+        assert rows == [n * heads * k] * 2
