@@ -196,6 +196,14 @@ def analyze(checkpoint: str, data_bin: str, subset: str, max_tokens: int = 4096,
 
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([checkpoint], arg_overrides={"data": data_bin})
     model = models[0].eval()
+    unread = {type(m).__name__ for m in model.modules() if isinstance(m, RoutedAttention) and m.active_heads()[0]
+              not in ("MoA", "MoH")}
+    if unread:
+        from moa_tools import ToolError
+
+        raise ToolError(f"{checkpoint}: {', '.join(sorted(unread))} is not analysed: moa-analyze reads MoA's and MoH's "
+                        "routers, whose scores are distributions; SwitchHead's sigmoid scores are not (its load is "
+                        "logged in training as switchhead_load_cv)")
     task.load_dataset(subset)
     source, target = task.source_dictionary, getattr(task, "target_dictionary", None) or task.source_dictionary
     keep = {}

@@ -229,6 +229,15 @@ def test_switchhead_trains_translates_every_test_sentence_and_scores(trained_swi
     assert f"{TEST_SENTENCES} of {TEST_SENTENCES} test sentences translated" in scored.stdout
 
 
+def test_analyze_names_what_it_does_not_read(trained_switchhead):
+    """moa-analyze reads routers whose scores are distributions; on SwitchHead it says so instead of printing
+    an entropy of sigmoid scores."""
+    proc = run_cli("moa-analyze", os.path.join(trained_switchhead["ckpt"], "checkpoint_last.pt"),
+                   trained_switchhead["data_bin"], "--subset", "test", "--out", str(trained_switchhead["work"] / "an"),
+                   check=False)
+    assert proc.returncode == 1 and "SwitchHeadAttention is not analysed" in proc.stderr, proc.stderr[-2000:]
+
+
 def _hypotheses(output):
     """{sentence id: hypothesis} from fairseq-generate's output."""
     return {int(i): text for i, text in re.findall(r"^H-(\d+)\t\S+\t(.*)$", output, re.M)}

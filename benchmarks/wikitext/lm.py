@@ -1,4 +1,4 @@
-"""Language models on WikiText-2 text: the small MoA and MoH LMs against ``transformer_lm_small``, and a
+"""Language models on WikiText-2 text: the small MoA, MoH and SwitchHead LMs against ``transformer_lm_small``, and a
 trained ``transformer_lm_small`` converted to MoH and trained on, against the original trained on.
 
     .venv/bin/python -m benchmarks.wikitext.lm --seeds 1 2 3                 # equal updates (300)
@@ -29,6 +29,8 @@ MODELS = {  # id: (label, fairseq-train arguments)
     "moh-75": ("MoH 2 + top-1 of 2, 75% (moh_lm_small)", ["--arch", "moh_lm_small", "--criterion", "moa_cross_entropy"]),
     "moh-50": ("MoH 1 + top-1 of 3, 50% (moh_lm_small)", ["--arch", "moh_lm_small", "--criterion", "moa_cross_entropy",
                                                          "--moh-shared-heads", "1", "--moh-top-k", "1"]),
+    "switchhead": ("SwitchHead 2H2K4E56D (switchhead_lm_small)", ["--arch", "switchhead_lm_small", "--criterion",
+                                                                  "moa_cross_entropy"]),
 }
 CONVERSIONS = {"moh-75": (2, 1), "moh-50": (1, 1)}  # id: (shared heads, top-k) of the 4 heads
 TITLE = ("Language models on WikiText-2 text, {cpus} CPUs, 8 blocks of 128 sentencepiece tokens per update; "
