@@ -20,7 +20,6 @@ The module follows fairseq's ``MultiheadAttention`` contract through
 from typing import Optional, Tuple
 
 import torch
-from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
 from moa.dispatch import ExpertDispatch
@@ -29,7 +28,6 @@ from moa.routed_attention import RoutedAttention, attention_bias, attention_prob
 from moa.routing import ExpertRouting, TopKRouter
 
 
-@with_incremental_state
 class MixtureOfAttentionHeads(RoutedAttention):
     """MoA attention with ``num_experts`` experts, ``top_k`` per token, head width ``head_dim``.
 

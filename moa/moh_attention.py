@@ -31,7 +31,6 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
 from moa.dispatch import HeadPacking
@@ -40,7 +39,6 @@ from moa.routed_attention import RoutedAttention, attention_bias, attention_prob
 from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStageHeadRouter
 
 
-@with_incremental_state
 class MixtureOfHeadsAttention(RoutedAttention):
     """MoH attention: ``num_heads`` heads of width embed_dim / num_heads, ``shared_heads`` always
     active, ``top_k`` of the rest per token. ``router``: ``learned`` (the paper's two-stage router;

@@ -29,12 +29,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from fairseq.modules.fairseq_dropout import FairseqDropout
 from torch import Tensor, nn
 
+from moa.incremental_state import AttentionDropout, IncrementalState, IncrementalStateModule
 from moa.routing import Routing
-
-IncrementalState = Optional[Dict[str, Dict[str, Optional[Tensor]]]]
 ATTN_STATE = "attn_state"  # the incremental-state buffer of the key/value cache
 PER_SENTENCE = "attn_state_per_sentence"  # ... and of a beam-folded source cache
 STORE = "_store"  # the preallocated tensor a cached key/value is the front of (append_to_cache)
@@ -42,8 +40,8 @@ SPARE = "_spare"  # flat memory the next beam reorder writes the cache into (reo
 CACHE_GROWTH_MIN_STEPS = 8  # the fewest positions a new store makes room for beyond those it holds
 
 
-class RoutedAttention(nn.Module):
-    """Base of the routed attention modules; subclasses are decorated ``@with_incremental_state``."""
+class RoutedAttention(IncrementalStateModule):
+    """Base of the routed attention modules: torch alone (:mod:`moa.incremental_state`), no fairseq import."""
 
     time_dim = 1  # the time axis of the cached keys/values: (batch, len, D) for MoA
 
@@ -52,7 +50,7 @@ class RoutedAttention(nn.Module):
         super().__init__()
         self.embed_dim, self.head_dim = embed_dim, head_dim
         self.scaling = head_dim ** -0.5
-        self.dropout_module = FairseqDropout(dropout, module_name=self.__class__.__name__)
+        self.dropout_module = AttentionDropout(dropout, module_name=self.__class__.__name__)
         self.self_attention = self_attention
         self.encoder_decoder_attention = encoder_decoder_attention
         self.query_padding_mask: Optional[Tensor] = None

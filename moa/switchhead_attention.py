@@ -29,7 +29,6 @@ The module follows fairseq's ``MultiheadAttention`` contract through
 from typing import Optional, Tuple
 
 import torch
-from fairseq.incremental_decoding_utils import with_incremental_state
 from torch import Tensor, nn
 
 from moa.dispatch import HeadExpertDispatch
@@ -38,7 +37,6 @@ from moa.routed_attention import RoutedAttention, attention_bias, attention_prob
 from moa.routing import SigmoidTopKRouter, SwitchHeadRouting
 
 
-@with_incremental_state
 class SwitchHeadAttention(RoutedAttention):
     """SwitchHead attention: ``num_heads`` heads of width ``head_dim``, each with ``num_experts`` value and
     output experts of which ``top_k`` are active per token. ``expert_dropout``: see
