@@ -69,13 +69,14 @@ class SwitchHeadAttention(RoutedAttention):
 
     path: Optional[str] = None  # None: by the rule of _dense; "routed" or "dense" pins one (the tests compare them)
 
-    def _dense(self, rows_per_sequence: int) -> bool:
+    def _dense(self, decoding: bool) -> bool:
         """Every expert in one matmul (E/k times the multiply-adds, no gathers) when k = E, where nothing is
-        skipped, and for one token per sequence (a decoding step), where each expert's group would hold a
-        few rows; else each expert on its own rows (the grouped GEMM)."""
+        skipped, and in a decoding step (one token per hypothesis, a beam's few with beam-folded
+        encoder-decoder attention), where each expert's group would hold a few rows; else each expert on its
+        own rows (the grouped GEMM)."""
         if self.path is not None:
             return self.path == "dense"
-        return self.top_k == self.num_experts or rows_per_sequence == 1
+        return self.top_k == self.num_experts or decoding
 
     def route(self, x: Tensor, padding: Optional[Tensor], aux: bool = True) -> Tuple[SwitchHeadRouting, None]:
         return self.output_router(x, padding, aux), None
@@ -85,14 +86,14 @@ class SwitchHeadAttention(RoutedAttention):
         """Every head's attention over its keys and mixed values, then the selected output experts."""
         q = self.q_proj(x).view(tgt_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (B, H, T, D)
         o, probs = self.attention_core(q, keys, values, bias, need_weights or need_head_weights)
-        y = self._mixed_output(o, routing, tgt_len, bsz)
+        y = self._mixed_output(o, routing, tgt_len, bsz, decoding)
         if probs is None:
             return y, None
         return y, probs.transpose(0, 1) if need_head_weights else probs.mean(dim=1)
 
-    def _mixed_output(self, o: Tensor, routing: SwitchHeadRouting, tgt_len: int, bsz: int) -> Tensor:
+    def _mixed_output(self, o: Tensor, routing: SwitchHeadRouting, tgt_len: int, bsz: int, decoding: bool) -> Tensor:
         """o (B, H, T, D) -> (T * B, embed_dim): sum over heads and selected experts of s a W_o^{h,e}."""
-        if self._dense(tgt_len):
+        if self._dense(decoding):
             heads = o.permute(2, 0, 1, 3).reshape(tgt_len * bsz, self.num_heads, 1, self.head_dim)
             gated = heads * self._full_gates(routing).unsqueeze(-1)  # (N, H, E, D)
             return self.o_experts.fan_in(gated.view(gated.size(0), -1, self.head_dim))
@@ -117,7 +118,7 @@ class SwitchHeadAttention(RoutedAttention):
             values = self.v_experts.fan_out(rows)
         else:
             routing = self.value_router(key.reshape(src_len * bsz, -1), aux=False)
-            if self._dense(src_len):
+            if self._dense(src_len == 1):  # a self-attention decoding step's one new key per hypothesis
                 values = (self.v_experts.fan_out(rows).view(rows.size(0), self.num_heads, self.num_experts, -1)
                           * self._full_gates(routing).unsqueeze(-1)).sum(dim=2)
             else:
