@@ -96,7 +96,7 @@ class SwitchHeadAttention(RoutedAttention):
         if self._dense(decoding):
             heads = o.permute(2, 0, 1, 3).reshape(tgt_len * bsz, self.num_heads, 1, self.head_dim)
             gated = heads * self._full_gates(routing).unsqueeze(-1)  # (N, H, E, D)
-            return self.o_experts.fan_in(gated.view(gated.size(0), -1, self.head_dim))
+            return self.o_experts.fan_in(gated.reshape(gated.size(0), -1, self.head_dim))
         plan = HeadExpertDispatch(routing.selected, self.num_heads, self.num_experts, tgt_len, bsz)
         gates = routing.gates.reshape(-1)[plan.order]
         return self.o_experts(o.reshape(-1, self.head_dim), plan.head_row, plan.token, plan.counts,
@@ -127,7 +127,7 @@ class SwitchHeadAttention(RoutedAttention):
                 return keys, expert_linear(rows, self.v_experts.weight, None, plan.token, plan.head_row, plan.counts,
                                            bsz * self.num_heads * src_len, scale=gates, expert_dim=1,
                                            experts=plan.expert, scale_output=True).view(bsz, self.num_heads, src_len, self.head_dim)
-        return keys, values.view(src_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        return keys, values.reshape(src_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
 
     def head_outputs(self, query, key, key_padding_mask=None, attn_mask=None):
         """Every head's attention (B, H, T, S) and its output contribution (B, H, T, C): a head has no

@@ -144,3 +144,29 @@ def test_float32_and_bfloat16_against_the_float64_reference(dtype, units, path):
     ref, got, theirs, mine = _run_both(released, ours, cross=True, causal=False, path=path, dtype=dtype)
     unit = torch.finfo(dtype).eps / 2
     assert _worst(ref, got, theirs, mine) < units * unit
+
+
+
+@pytest.mark.parametrize("sentences", [1, 3])
+def test_beam_search_decodes_one_sentence_and_several(sentences):
+    """fairseq's beam search on a tiny SwitchHead model: every step on the dense output path, one sentence
+    included (its beam-folded encoder-decoder attention gives layouts whose permutes are views); equal to
+    the hypotheses of the routed path."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    from helpers import build_model
+
+    torch.manual_seed(0)
+    model = build_model("switchhead_small", 40, ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim",
+                                                 "32", "--encoder-ffn-embed-dim", "64", "--switchhead-experts", "4",
+                                                 "--switchhead-head-dim", "8"]).eval()
+    src = torch.randint(4, 40, (sentences, 6))
+    hypotheses = []
+    for path in (None, "routed"):
+        for module in model.modules():
+            if isinstance(module, SwitchHeadAttention):
+                module.path = path
+        generator = SequenceGenerator([model], model.decoder.dictionary, beam_size=4, max_len_b=5)
+        out = generator.generate([model], {"net_input": {"src_tokens": src, "src_lengths": torch.full((sentences,), 6)}})
+        hypotheses.append([[h["tokens"].tolist() for h in sentence] for sentence in out])
+    assert hypotheses[0] == hypotheses[1] and len(hypotheses[0]) == sentences
