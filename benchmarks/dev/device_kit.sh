@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds .device-kit/: the wheels that the GPU check needs and a lent GPU machine lacks, for a machine
+# Builds .device-kit/: the wheels that the GPU check needs and a GPU machine without network access lacks, for a machine
 # that reaches no package registry. That machine has Python 3.12 with torch, numpy, sacrebleu,
 # sentencepiece, regex, tqdm, PyYAML and pytest, but no fairseq, hydra-core, omegaconf, antlr4 or bitarray.
-#   bash benchmarks/dev/device_kit.sh                          # cp312 manylinux wheels (the lent machine's Python)
+#   bash benchmarks/dev/device_kit.sh                          # cp312 manylinux wheels (such a machine's Python)
 #   bash benchmarks/dev/device_kit.sh --python-version 3.11    # for a rehearsal on this machine's Python
 #   bash benchmarks/dev/device_kit.sh --out DIR                # somewhere else than .device-kit
 # The versions are the ones this project is tested with. antlr4-python3-runtime 4.9.3 exists only as a

@@ -8,9 +8,9 @@
 #    loop, a MoA training step without synchronisation, bf16 and fp16 training and generation via the CLIs;
 # 2. benchmarks.dev.gpu_check: the synchronisations of one training step and the bf16 table of MoA modules at
 #    8,192 tokens (loop, grouped GEMM, dense attention of the same active width), also when a test of 1.
-#    failed (the script then exits with pytest's status), so that one call on a lent machine brings both.
-# Python: $PYTHON, else .venv/bin/python, else python3. Where that Python cannot import fairseq (a lent
-# GPU machine: no registry, no fairseq), the wheels of --kit (default .device-kit/, made by
+#    failed (the script then exits with pytest's status), so that one call on a GPU machine brings both.
+# Python: $PYTHON, else .venv/bin/python, else python3. Where that Python cannot import fairseq (a
+# GPU machine without network access: no registry, no fairseq), the wheels of --kit (default .device-kit/, made by
 # bash benchmarks/dev/device_kit.sh) are
 # installed into a temporary folder with pip --no-index --no-deps --target, and this checkout's moa is
 # imported from the checkout. Everything a reader needs lands in one folder, --out (default

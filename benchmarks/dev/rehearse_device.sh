@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# A rehearsal, on this CPU, of the GPU check as a lent machine runs it, and of the fast tests on another
+# A rehearsal, on this CPU, of the GPU check as a GPU machine without network access runs it, and of the fast tests on another
 # torch (not in CI: torch 2.11 from the package index is a CUDA build of about 4.6 GB).
-#   bash benchmarks/dev/rehearse_device.sh                  # torch 2.11.0, the lent H200 machine's
+#   bash benchmarks/dev/rehearse_device.sh                  # torch 2.11.0, a Python 3.12 H200 machine's
 #   bash benchmarks/dev/rehearse_device.sh --torch 2.13.0
-# 1. A fresh venv with only that torch and what the lent machine's image also holds (numpy, pytest,
+# 1. A fresh venv with only that torch and what such a machine's image also holds (numpy, pytest,
 #    sacrebleu, sentencepiece, regex, tqdm, PyYAML, packaging, matplotlib, scikit-learn): no fairseq, hydra-core,
 #    omegaconf, antlr4 or bitarray, and this project not installed.
 # 2. The device kit for this Python (bash benchmarks/dev/device_kit.sh --python-version of this Python), then
@@ -25,7 +25,7 @@ venv=$work/venv
 python=${PYTHON:-python3}
 started=$SECONDS
 step() { echo; echo "== $* ($((SECONDS - started)) s)"; }
-step "1. a venv with torch $torch_version and the lent image's other packages only"
+step "1. a venv with torch $torch_version and that image's other packages only"
 rm -rf "$work"
 mkdir -p "$work"
 "$python" -m venv "$venv"

@@ -4,7 +4,7 @@
 #   2. fairseq-generate on the whole test set: beam 4, length penalty 0.6, --required-batch-size-multiple 1
 #      (fairseq would otherwise drop a tail batch), sentencepiece removed; the count is checked;
 #   3. moa-score: (a) detokenised sacreBLEU against the raw references, with its signature, and
-#      (b) the paper's tokenised BLEU with compound splitting (see moa/scoring.py).
+#      (b) the paper's tokenised BLEU with compound splitting (see moa_tools/scoring.py).
 #
 #   examples/translation/evaluate.sh --pair en-de|en-fr [--data DIR] --checkpoints DIR [--last 10]
 #       [--ref FILE] [--subset test] [--max-tokens 8192] [--cpu] [-- extra fairseq-generate arguments]
