@@ -327,3 +327,26 @@ def test_last_batch_study_smoke_counts_both_rules(tmp_path):
     assert row["sentences_fairseq"] == sentences - left_out
     assert (left_out == 0) == (row["nll_fairseq"] == row["nll_every_sentence"])
     assert "| Transformer" in (tmp_path / "last-batch.md").read_text()
+
+
+def test_every_renamed_study_module_names_one_that_exists_and_result_files_say_so():
+    """A recorded command whose module was renamed says which module remakes it now: each new name runs
+    (``python -m``), no old one does, and no result page names an old module without the new one."""
+    import glob
+    import importlib.util
+
+    from benchmarks.harness.results import RENAMED, ROOT, command_note
+
+    for old, new in RENAMED.items():
+        assert importlib.util.find_spec(old) is None, old
+        spec = importlib.util.find_spec(new)
+        assert spec is not None and (spec.submodule_search_locations is None
+                                     or importlib.util.find_spec(new + ".__main__")), new
+    assert command_note("python -m benchmarks.moa_speed --rounds 9") == \
+        " (that module is now `benchmarks.speed.models_and_modules`)"
+    assert command_note("python -m benchmarks.speed.bf16") == ""
+    for path in glob.glob(os.path.join(ROOT, "benchmarks", "**", "results", "**", "*.md"), recursive=True):
+        text = open(path, encoding="utf-8").read()
+        for old in RENAMED:
+            for match in re.finditer(rf"`python -m {re.escape(old)}(?: [^`]*)?`", text):
+                assert text[match.end():].startswith(" (that module is now"), (path, match.group(0))

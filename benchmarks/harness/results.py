@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -77,9 +78,26 @@ def machine() -> str:
     return text
 
 
+# Study modules by their names before the benchmarks were grouped in packages: a recorded command names the
+# module as it was; its results are remade by the module it is now.
+RENAMED = {"benchmarks.lm_wikitext2": "benchmarks.wikitext.lm", "benchmarks.mlm_wikitext2": "benchmarks.wikitext.mlm",
+           "benchmarks.multi30k_converged": "benchmarks.multi30k.converged",
+           "benchmarks.translation_multi30k": "benchmarks.multi30k.equal_time",
+           "benchmarks.moa_speed": "benchmarks.speed.models_and_modules", "benchmarks.bf16_cpu": "benchmarks.speed.bf16",
+           "benchmarks.torch_compile": "benchmarks.speed.compile", "benchmarks.lm_decoding": "benchmarks.speed.lm_decoding",
+           "benchmarks.gpu_check": "benchmarks.dev.gpu_check"}
+
+
+def command_note(command: str) -> str:
+    """`` (that module is now `benchmarks.X`)`` for a recorded command run by a module since renamed, else ''."""
+    match = re.match(r"python -m (\S+)", command)
+    module = match and RENAMED.get(match.group(1))
+    return f" (that module is now `{module}`)" if module else ""
+
+
 def provenance_line(run: dict) -> str:
     """One Markdown line that says what :func:`provenance` recorded."""
-    return (f"Written by `{run['command']}` at commit {run['commit']} (torch {run['torch']}, fairseq "
+    return (f"Written by `{run['command']}`{command_note(run['command'])} at commit {run['commit']} (torch {run['torch']}, fairseq "
             f"{run['fairseq']}, Python {run['python']}) on {run['machine']}"
             + (f", {run['threads']} threads" if "threads" in run else "") + f", {run['date']}.")
 

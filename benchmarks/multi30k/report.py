@@ -17,7 +17,7 @@ import re
 import statistics
 
 from benchmarks.harness.corpora import SWITCHHEAD_EQUAL_COST, SWITCHHEAD_PARAMETERS
-from benchmarks.harness.results import provenance, provenance_line, table, write_atomically
+from benchmarks.harness.results import command_note, provenance, provenance_line, table, write_atomically
 
 NLL_TIE = 0.02  # bits of validation NLL: smaller in every seed is a tie, not a finding
 # (question, model id, MoA configuration or None, the model it is compared with, of the same seed and recipe)
@@ -282,7 +282,8 @@ def write_report(out, recipe, recipes):
                 dashed=lambda r: r["model_id"] != "transformer")
     made = sorted({(run["command"], run["commit"], run["torch"], run["machine"])
                    for r in sweep + runs + reproduced for run in (r["run"], r.get("macs_run")) if run})
-    lines += ["", "The rows were trained (and their MACs counted) by:", ""] + [f"- `{c}` at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
+    lines += ["", "The rows were trained (and their MACs counted) by:", ""] + \
+        [f"- `{c}`{command_note(c)} at commit {commit} (torch {t}, {m})" for c, commit, t, m in made]
     lines += resumed_across_commits(sweep + runs)
     lines += ["", made_by]
     text = "\n".join(lines) + "\n"
