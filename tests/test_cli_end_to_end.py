@@ -176,12 +176,30 @@ def test_interactive_translates_from_stdin(trained):
     assert len(re.findall(r"^H-\d+\t", proc.stdout, re.M)) == 2
 
 
-@pytest.fixture(scope="module")
-def trained_moh(trained, tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("e2e-moh") / "checkpoints")
-    train = run_cli("fairseq-train", trained["data_bin"], "--user-dir", USER_DIR, *MOH_TRAIN, "--save-dir", ckpt,
+def train_beside(trained, folder, flags):
+    """Another model trained 20 updates on the ``trained`` fixture's data, into ``folder``."""
+    ckpt = str(folder / "checkpoints")
+    train = run_cli("fairseq-train", trained["data_bin"], "--user-dir", USER_DIR, *flags, "--save-dir", ckpt,
                     "--max-update", "20")
     return dict(trained, ckpt=ckpt, train_log=train.stdout + train.stderr)
+
+
+def generate_and_score_every_sentence(model):
+    """fairseq-generate over the test set of ``model`` (a trained fixture) and moa-score: every sentence."""
+    proc = run_cli("fairseq-generate", model["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset", "test",
+                   "--path", os.path.join(model["ckpt"], "checkpoint_last.pt"), "--beam", "4", "--lenpen", "0.6",
+                   "--batch-size", "8", "--required-batch-size-multiple", "1", "--post-process", "subword_nmt")
+    generate_log = os.path.join(model["ckpt"], "generate.log")
+    with open(generate_log, "w", encoding="utf-8") as f:
+        f.write(proc.stdout)
+    assert f"Translated {TEST_SENTENCES} sentences" in proc.stdout + proc.stderr
+    scored = run_cli("moa-score", generate_log, os.path.join(model["raw"], "test.ref.de"), "--lang", "de")
+    assert f"{TEST_SENTENCES} of {TEST_SENTENCES} test sentences translated" in scored.stdout
+
+
+@pytest.fixture(scope="module")
+def trained_moh(trained, tmp_path_factory):
+    return train_beside(trained, tmp_path_factory.mktemp("e2e-moh"), MOH_TRAIN)
 
 
 def test_moh_trains_translates_every_test_sentence_and_scores(trained_moh):
@@ -190,24 +208,12 @@ def test_moh_trains_translates_every_test_sentence_and_scores(trained_moh):
     last = dict(re.findall(r"\| (\w+) ([-\d.]+)", [line for line in log.splitlines() if "| train |" in line][-1]))
     assert int(last["num_updates"]) == 20 and float(last["moh_active"]) == pytest.approx(0.75)
     assert "moh_lb" in last and float(last["loss"]) < uniform_bits(trained_moh["data_bin"]) - 1
-    checkpoint = os.path.join(trained_moh["ckpt"], "checkpoint_last.pt")
-    proc = run_cli("fairseq-generate", trained_moh["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset",
-                   "test", "--path", checkpoint, "--beam", "4", "--lenpen", "0.6", "--batch-size", "8",
-                   "--required-batch-size-multiple", "1", "--post-process", "subword_nmt")
-    generate_log = os.path.join(trained_moh["ckpt"], "generate.log")
-    with open(generate_log, "w", encoding="utf-8") as f:
-        f.write(proc.stdout)
-    assert f"Translated {TEST_SENTENCES} sentences" in proc.stdout + proc.stderr
-    scored = run_cli("moa-score", generate_log, os.path.join(trained_moh["raw"], "test.ref.de"), "--lang", "de")
-    assert f"{TEST_SENTENCES} of {TEST_SENTENCES} test sentences translated" in scored.stdout
+    generate_and_score_every_sentence(trained_moh)
 
 
 @pytest.fixture(scope="module")
 def trained_switchhead(trained, tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("e2e-switchhead") / "checkpoints")
-    train = run_cli("fairseq-train", trained["data_bin"], "--user-dir", USER_DIR, *SWITCHHEAD_TRAIN, "--save-dir", ckpt,
-                    "--max-update", "20")
-    return dict(trained, ckpt=ckpt, train_log=train.stdout + train.stderr)
+    return train_beside(trained, tmp_path_factory.mktemp("e2e-switchhead"), SWITCHHEAD_TRAIN)
 
 
 def test_switchhead_trains_translates_every_test_sentence_and_scores(trained_switchhead):
@@ -217,16 +223,7 @@ def test_switchhead_trains_translates_every_test_sentence_and_scores(trained_swi
     last = dict(re.findall(r"\| (\w+) ([-\d.]+)", [line for line in log.splitlines() if "| train |" in line][-1]))
     assert int(last["num_updates"]) == 20 and float(last["aux_loss"]) == 0 and "switchhead_load_cv" in last
     assert float(last["loss"]) < uniform_bits(trained_switchhead["data_bin"]) - 1
-    proc = run_cli("fairseq-generate", trained_switchhead["data_bin"], "--user-dir", USER_DIR, "--cpu", "--gen-subset",
-                   "test", "--path", os.path.join(trained_switchhead["ckpt"], "checkpoint_last.pt"), "--beam", "4",
-                   "--lenpen", "0.6", "--batch-size", "8", "--required-batch-size-multiple", "1",
-                   "--post-process", "subword_nmt")
-    generate_log = os.path.join(trained_switchhead["ckpt"], "generate.log")
-    with open(generate_log, "w", encoding="utf-8") as f:
-        f.write(proc.stdout)
-    assert f"Translated {TEST_SENTENCES} sentences" in proc.stdout + proc.stderr
-    scored = run_cli("moa-score", generate_log, os.path.join(trained_switchhead["raw"], "test.ref.de"), "--lang", "de")
-    assert f"{TEST_SENTENCES} of {TEST_SENTENCES} test sentences translated" in scored.stdout
+    generate_and_score_every_sentence(trained_switchhead)
 
 
 def test_analyze_names_what_it_does_not_read(trained_switchhead):
