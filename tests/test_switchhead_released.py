@@ -45,12 +45,14 @@ def _inputs(cross, dtype=torch.float64, seed=1):
     return query, key, padding
 
 
-def _run_both(released, ours, cross, causal, path=None, ours_padding=None, gate_factor=None, dtype=torch.float64):
+def _run_both(released, ours, cross, causal, path=None, ours_padding=None, gate_factor=None, dtype=torch.float64,
+              device="cpu"):
     """(released output, our output, released grads, our grads) for one forward and backward on the same
-    inputs and upstream gradient; grads: the inputs' and the parameters', paired by the released names."""
+    inputs and upstream gradient, ours in ``dtype`` on ``device`` (results brought to the CPU); grads: the
+    inputs' and the parameters', paired by the released names."""
     query, key, padding = _inputs(cross, dtype)
     causal_mask = torch.triu(torch.ones(query.size(1), key.size(1), dtype=torch.bool), 1) if causal else None
-    ours = ours.to(dtype)
+    ours = ours.to(device=device, dtype=dtype)
     ours.path = path
     if gate_factor is not None:  # the negative control: every output gate scaled
         router = ours.output_router
@@ -58,20 +60,20 @@ def _run_both(released, ours, cross, causal, path=None, ours_padding=None, gate_
         router.forward = lambda *a, **kw: _scaled(forward(*a, **kw), gate_factor)
     q1, k1 = (t.detach().clone().requires_grad_() for t in (query, key))
     ref = released(q1, k1 if cross else q1, k1 if cross else q1, causal_mask, padding)
-    q2, k2 = (t.detach().clone().to(dtype).requires_grad_() for t in (query, key))
+    q2, k2 = (t.detach().clone().to(device=device, dtype=dtype).requires_grad_() for t in (query, key))
     kv = k2 if cross else q2
     mask = None if causal_mask is None else torch.zeros(causal_mask.shape, dtype=dtype).masked_fill(causal_mask,
                                                                                                    float("-inf"))
     got, _ = ours(q2.transpose(0, 1), kv.transpose(0, 1), kv.transpose(0, 1),
-                  key_padding_mask=padding if ours_padding is None else ours_padding, attn_mask=mask,
-                  need_weights=False)
+                  key_padding_mask=(padding if ours_padding is None else ours_padding).to(device),
+                  attn_mask=None if mask is None else mask.to(device), need_weights=False)
     got = got.transpose(0, 1)
     upstream = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     (ref * upstream).sum().backward()
-    (got * upstream.to(dtype)).sum().backward()
+    (got * upstream.to(device=device, dtype=dtype)).sum().backward()
     theirs = {"query": q1.grad, "key": k1.grad if cross else None, **{n: p.grad for n, p in released.named_parameters()}}
     mine = {"query": q2.grad, "key": k2.grad if cross else None, **ours_grads_by_released_name(ours)}
-    return ref, got, theirs, mine
+    return ref, got.cpu(), theirs, {name: None if g is None else g.cpu() for name, g in mine.items()}
 
 
 def _scaled(routing, factor):

@@ -123,6 +123,21 @@ def test_moa_and_moh_on_cuda_match_the_float64_references(dtype, path):
                     compare_with_reference(make(), dtype, device="cuda")
 
 
+@pytest.mark.parametrize("path", ["routed", "dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_switchhead_on_cuda_matches_the_released_layer_in_float64(dtype, path):
+    """tests/test_switchhead_released.py's check with the module on CUDA: within 32 units of the dtype's
+    roundoff of the float64 reference of the released layer, on the same rounded weights and inputs."""
+    from test_switchhead_released import _pair, _run_both, _worst
+
+    released, ours = _pair(2, 4, 2, cross=True, seed=3)
+    rounded = {n: p.to(dtype).double() for n, p in released.state_dict().items()}
+    released.load_state_dict(rounded)
+    ours.load_released_state_dict(rounded)
+    ref, got, theirs, mine = _run_both(released, ours, cross=True, causal=False, path=path, dtype=dtype, device="cuda")
+    assert _worst(ref, got, theirs, mine) < 32 * torch.finfo(dtype).eps / 2
+
+
 @pytest.mark.parametrize("experts_, top_k", [(8, 8), (32, 16)])
 def test_a_moa_training_step_in_bf16_does_not_synchronise(experts_, top_k):
     torch.manual_seed(0)
@@ -149,7 +164,9 @@ TRAIN_SHAPE = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embe
                "--encoder-ffn-embed-dim", "128", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
                "--share-all-embeddings"]
 ARCHS = {"moa": ["--arch", "moa_small", "--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "16"],
-         "moh": ["--arch", "moh_small", "--moh-shared-heads", "1", "--moh-top-k", "2"]}
+         "moh": ["--arch", "moh_small", "--moh-shared-heads", "1", "--moh-top-k", "2"],
+         "switchhead": ["--arch", "switchhead_small", "--switchhead-experts", "4", "--switchhead-top-k", "2",
+                        "--switchhead-head-dim", "16"]}
 
 
 @pytest.mark.slow
@@ -191,7 +208,7 @@ def test_half_precision_training_and_generation(arch, precision, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["moa_small", "moh_small"])
+@pytest.mark.parametrize("arch", ["moa_small", "moh_small", "switchhead_small"])
 def test_compiled_routed_modules_train_and_beam_search_as_eager_on_cuda(arch, dtype):
     from test_torch_compile import compiled_against_eager
 
