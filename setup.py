@@ -19,7 +19,8 @@ setup(
         "tensorboardX",  # fairseq's --tensorboard-logdir
     ],
     extras_require={
-        "test": ["pytest"],
+        "test": ["pytest", "transformers>=5", "safetensors", "accelerate>=1.1"],
+        "hf": ["transformers>=5", "safetensors", "accelerate>=1.1"],  # moa-export-hf; accelerate for transformers' Trainer
         "fsdp": ["fairscale==0.4.13"],  # --ddp-backend fully_sharded, on CUDA GPUs
     },
     entry_points={"console_scripts": [
@@ -31,5 +32,6 @@ setup(
         "moa-average-checkpoints=moa_tools.commands.average_checkpoints:main",
         "moa-convert-moh=moa_tools.commands.convert_moh:main",
         "moa-analyze=moa_tools.commands.analyze:main",
+        "moa-export-hf=moa_tools.commands.export_hf:main",
     ]},
 )

@@ -60,8 +60,7 @@ def grouped_mm(rows: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     return F.grouped_mm(rows, w, offs=ends.to(torch.int32))
 
 
-@torch.library.custom_op("moa::grouped_mm", mutates_args=())
-def compilable_grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """``F.grouped_mm(a, b, offs=offs)`` as an op of its own, for torch.compile: torch 2.13's shape function
     of the grouped GEMM refuses every dtype but bfloat16, though the CPU's kernel multiplies float32 (and
     float16), so a compiled float32 model would fail. Layouts: (R, K) @ (E, K, N) -> (R, N), and the weight
@@ -69,8 +68,7 @@ def compilable_grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     return F.grouped_mm(a, b, offs=offs)
 
 
-@compilable_grouped_mm.register_fake
-def _(a, b, offs):
+def _grouped_mm_fake(a, b, offs):
     if b.dim() == 3:
         return a.new_empty(a.size(0), b.size(2))
     return a.new_empty(offs.size(0), a.size(0), b.size(1))
@@ -87,7 +85,12 @@ def _save_for_backward(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-compilable_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_for_backward)
+if hasattr(torch.ops.moa, "grouped_mm"):  # defined by another copy of this file (an exported model's)
+    compilable_grouped_mm = torch.ops.moa.grouped_mm
+else:
+    compilable_grouped_mm = torch.library.custom_op("moa::grouped_mm", mutates_args=())(_grouped_mm)
+    compilable_grouped_mm.register_fake(_grouped_mm_fake)
+    compilable_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_save_for_backward)
 
 
 def looped_mm(rows: Tensor, w: Tensor, ends: Tensor) -> Tensor:

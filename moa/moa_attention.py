@@ -22,10 +22,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from moa.dispatch import ExpertDispatch
-from moa.experts import ExpertLinear
-from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
-from moa.routing import ExpertRouting, TopKRouter
+from .dispatch import ExpertDispatch
+from .experts import ExpertLinear
+from .routed_attention import RoutedAttention, attention_bias, attention_probs
+from .routing import ExpertRouting, TopKRouter
 
 
 class MixtureOfAttentionHeads(RoutedAttention):

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moa.dispatch import HeadPacking
-from moa.experts import expert_linear
-from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
-from moa.routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStageHeadRouter
+from .dispatch import HeadPacking
+from .experts import expert_linear
+from .routed_attention import RoutedAttention, attention_bias, attention_probs
+from .routing import HEAD_ROUTERS, HeadRouting, QueryNormHeadRouter, TwoStageHeadRouter
 
 
 class MixtureOfHeadsAttention(RoutedAttention):

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moa.incremental_state import AttentionDropout, IncrementalState, IncrementalStateModule
-from moa.routing import Routing
+from .incremental_state import AttentionDropout, IncrementalState, IncrementalStateModule
+from .routing import Routing
 ATTN_STATE = "attn_state"  # the incremental-state buffer of the key/value cache
 PER_SENTENCE = "attn_state_per_sentence"  # ... and of a beam-folded source cache
 STORE = "_store"  # the preallocated tensor a cached key/value is the front of (append_to_cache)

@@ -31,10 +31,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from moa.dispatch import HeadExpertDispatch
-from moa.experts import ExpertLinear, expert_linear
-from moa.routed_attention import RoutedAttention, attention_bias, attention_probs
-from moa.routing import SigmoidTopKRouter, SwitchHeadRouting
+from .dispatch import HeadExpertDispatch
+from .experts import ExpertLinear, expert_linear
+from .routed_attention import RoutedAttention, attention_bias, attention_probs
+from .routing import SigmoidTopKRouter, SwitchHeadRouting
 
 
 class SwitchHeadAttention(RoutedAttention):

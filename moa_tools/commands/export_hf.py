@@ -1,0 +1,54 @@
+"""``moa-export-hf``: a trained model of the plugin as a Hugging Face ``transformers`` model folder.
+
+    moa-export-hf CHECKPOINT DATA_BIN OUT_DIR [--sentencepiece-model SPM]
+
+OUT_DIR gets ``config.json``, ``model.safetensors``, ``generation_config.json``, the tokenizer (fairseq's
+dictionary ids; with --sentencepiece-model, the data's sentencepiece model too, so that raw text encodes
+as the recipes encode it) and the modelling code, registered through ``auto_map``: it loads with torch,
+transformers and sentencepiece alone, ``AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True)``
+and ``AutoTokenizer.from_pretrained(OUT_DIR, trust_remote_code=True)``; ``trust_remote_code`` runs the Python
+files in OUT_DIR. Language
+models are exported (transformer_lm, moa_lm, moh_lm and switchhead_lm archs). The checkpoint is read with
+the safe loader; OUT_DIR must be new or empty, and is written through a temporary folder moved into place,
+so a failed export leaves nothing. Guide: docs/hugging-face.md.
+"""
+
+import argparse
+import os
+import sys
+
+from moa_tools import ToolError, run_tool
+
+
+def _main(argv) -> int:
+    parser = argparse.ArgumentParser(prog="moa-export-hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a fairseq-train checkpoint of a language-model arch")
+    parser.add_argument("data_bin", help="the data-bin the model was trained on (its dict.txt)")
+    parser.add_argument("out_dir", help="the folder to write (new or empty)")
+    parser.add_argument("--sentencepiece-model", metavar="SPM",
+                        help="the sentencepiece model the data was encoded with (the recipes': DATA/spm/spm.model); "
+                             "without it the tokenizer takes whitespace-separated dictionary symbols")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.checkpoint):
+        raise ToolError(f"no such checkpoint: {args.checkpoint}")
+    if not os.path.isdir(args.data_bin):
+        raise ToolError(f"no such data-bin folder: {args.data_bin}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ToolError("transformers is not installed: pip install transformers safetensors") from None
+    from moa_tools.hf_export import export
+
+    written = export(args.checkpoint, args.data_bin, args.out_dir, args.sentencepiece_model)
+    print(f"{args.out_dir}: {written['family']} language model, {', '.join(written['files'])}")
+    print(f"load: AutoModelForCausalLM.from_pretrained({args.out_dir!r}, trust_remote_code=True)")
+    return 0
+
+
+def main(argv=None) -> int:
+    return run_tool("moa-export-hf", _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

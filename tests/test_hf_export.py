@@ -1,0 +1,204 @@
+"""moa-export-hf on language models: the exported folder loads with transformers in a process where fairseq
+and moa cannot be imported, and gives the fairseq model's log-probabilities (within 1e-4) for every family
+(dense, MoA, MoH, SwitchHead); a forward with labels returns the training objective; transformers' Trainer
+fine-tunes the exported model; bad inputs are named errors that leave nothing behind."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, run_cli
+
+pytest.importorskip("transformers")
+
+import moa  # noqa: E402,F401
+from moa.models.build import build_from_args, dictionary_of_size, model_args  # noqa: E402
+
+TINY = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+        "--decoder-attention-heads", "4", "--dropout", "0.1", "--attention-dropout", "0.1"]
+FAMILIES = {
+    "transformer_lm_small": [],
+    "moa_lm_small": ["--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8", "--moa-router-init", "normal"],
+    "moh_lm_small": ["--moh-shared-heads", "1", "--moh-top-k-per-layer", "1,2"],
+    "moh_lm_small/query-norm": ["--moh-shared-heads", "2", "--moh-top-k", "1", "--moh-router", "query-norm"],  # converted
+    "switchhead_lm_small": ["--switchhead-experts", "4", "--switchhead-top-k", "2", "--switchhead-head-dim", "8"],
+}
+VOCAB = 48
+
+CHILD = r'''
+import importlib.abc, sys
+import torch
+
+class Unimportable(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("fairseq", "moa", "moa_tools"):
+            raise ImportError(f"{name}: not installed in this process")
+
+sys.meta_path.insert(0, Unimportable())
+from transformers import AutoModelForCausalLM
+
+folder, tokens_file, out_file = sys.argv[1:4]
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+tokens = torch.load(tokens_file, weights_only=True)
+with torch.no_grad():
+    out = model(tokens, labels=tokens)
+torch.save({"logits": out.logits, "lm_loss": out.lm_loss, "aux_loss": out.aux_loss}, out_file)
+'''
+
+
+def tiny_checkpoint(folder, arch, seed=0):
+    """A fairseq checkpoint of a freshly built ``arch`` (its arguments as fairseq-train saves them) and its
+    data-bin's dict.txt; returns (checkpoint, data_bin, the fairseq model)."""
+    torch.manual_seed(seed)
+    args = model_args(arch.split("/")[0], TINY + FAMILIES[arch])
+    args.tokens_per_sample = args.max_target_positions = 64
+    dictionary = dictionary_of_size(VOCAB)
+    model = build_from_args(args, dictionary)
+    for module in model.modules():  # routers that route tokens apart
+        if hasattr(module, "router") and hasattr(module.router, "parameters"):
+            for p in module.router.parameters():
+                torch.nn.init.normal_(p, std=1.0)
+    data_bin = folder / "data-bin"
+    data_bin.mkdir(parents=True)
+    dictionary.save(str(data_bin / "dict.txt"))
+    checkpoint = folder / "checkpoint.pt"
+    torch.save({"cfg": {"model": args}, "model": model.state_dict()}, checkpoint)
+    return str(checkpoint), str(data_bin), model.eval()
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_exported_model_loads_without_fairseq_and_gives_fairseq_log_probabilities(arch, tmp_path):
+    checkpoint, data_bin, model = tiny_checkpoint(tmp_path, arch)
+    out_dir = tmp_path / "hf"
+    proc = run_cli("moa-export-hf", checkpoint, data_bin, str(out_dir))
+    assert "language model" in proc.stdout
+    files = set(os.listdir(out_dir))
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "modeling_moa_fairseq.py"} <= files
+    assert json.loads((out_dir / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
+        "modeling_moa_fairseq.MoaFairseqForCausalLM"
+    torch.manual_seed(1)
+    tokens = torch.randint(4, VOCAB, (3, 20))
+    tokens[1, -4:] = 1  # padding at the end of a shorter line, as fairseq pads
+    torch.save(tokens, tmp_path / "tokens.pt")
+    child = subprocess.run([sys.executable, "-c", CHILD, str(out_dir), str(tmp_path / "tokens.pt"),
+                            str(tmp_path / "out.pt")], capture_output=True, text=True, cwd=str(tmp_path))
+    assert child.returncode == 0, child.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    with torch.no_grad():
+        expected = model(tokens)[0]
+    real = tokens.ne(1)
+    difference = (got["logits"].log_softmax(-1) - expected.log_softmax(-1)).abs()[real]
+    assert difference.max() < 1e-4, difference.max()
+    # the objective: fairseq's next-token NLL (nats) over real tokens, plus the routers' terms
+    target = tokens[:, 1:]
+    nll = torch.nn.functional.cross_entropy(expected[:, :-1].reshape(-1, VOCAB), target.reshape(-1), ignore_index=1)
+    assert abs(float(got["lm_loss"]) - float(nll)) < 1e-5
+    learned_router = arch.startswith(("moa", "moh")) and "query-norm" not in arch  # the others add nothing
+    assert (float(got["aux_loss"]) > 0) == learned_router
+
+
+def test_the_comparison_sees_another_model(tmp_path):
+    """The log-probability check fails for a model exported from other weights (a seed apart)."""
+    checkpoint, data_bin, _ = tiny_checkpoint(tmp_path / "a", "switchhead_lm_small", seed=0)
+    _, _, other = tiny_checkpoint(tmp_path / "b", "switchhead_lm_small", seed=1)
+    run_cli("moa-export-hf", checkpoint, data_bin, str(tmp_path / "hf"))
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    tokens = torch.randint(4, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert (exported(tokens).logits.log_softmax(-1) - other(tokens)[0].log_softmax(-1)).abs().max() > 1e-2
+
+
+def test_trainer_fine_tunes_an_exported_moa_model(tmp_path):
+    """transformers.Trainer on the exported model: the loss (cross-entropy plus MoA's alpha L_a + beta L_z)
+    falls over a few steps on a repeated batch, and the routing is in the outputs."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    checkpoint, data_bin, _ = tiny_checkpoint(tmp_path, "moa_lm_small")
+    run_cli("moa-export-hf", checkpoint, data_bin, str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    torch.manual_seed(2)
+    rows = torch.randint(4, VOCAB, (8, 16))
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return {"input_ids": rows[i], "labels": rows[i]}
+
+    arguments = TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=8,
+                                  max_steps=12, learning_rate=5e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                  use_cpu=True, seed=3)
+    trainer = Trainer(model=model, args=arguments, train_dataset=Rows())
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses
+    out = model(rows[:2], labels=rows[:2])
+    assert out.routing and out.routing[0].family == "MoA" and out.aux_loss > 0
+
+
+def test_sentencepiece_tokenizer_encodes_raw_text_to_fairseqs_ids(tmp_path):
+    """With --sentencepiece-model, AutoTokenizer encodes raw text as the recipes do (sentencepiece pieces,
+    fairseq's dictionary, </s>) and decodes as fairseq's --post-process sentencepiece."""
+    import sentencepiece
+    from fairseq.data import Dictionary
+    from transformers import AutoTokenizer
+
+    text = tmp_path / "text.txt"
+    lines = [f"the {w} was released in {1990 + i} and sold {i} copies" for i, w in
+             enumerate(["game", "album", "film", "book", "song"] * 20)]
+    text.write_text("\n".join(lines) + "\n")
+    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "spm"), vocab_size=60,
+                                             model_type="bpe", character_coverage=1.0)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    dictionary = Dictionary()
+    for line in lines:
+        dictionary.encode_line(" ".join(sp.encode(line, out_type=str)), add_if_not_exist=True)
+    checkpoint, data_bin, _ = tiny_checkpoint(tmp_path, "moa_lm_small")
+    dictionary.finalize(padding_factor=VOCAB)  # the checkpoint's size
+    assert len(dictionary) == VOCAB
+    dictionary.save(os.path.join(data_bin, "dict.txt"))
+    run_cli("moa-export-hf", checkpoint, data_bin, str(tmp_path / "hf"), "--sentencepiece-model",
+            str(tmp_path / "spm.model"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    for raw in ("the film was released in 1993", "a book nobody sold"):
+        expected = dictionary.encode_line(" ".join(sp.encode(raw, out_type=str)), add_if_not_exist=False).tolist()
+        ids = tokenizer(raw).input_ids
+        assert ids == expected
+        assert tokenizer.decode(ids[:-1]) == dictionary.string(torch.tensor(expected),
+                                                                                   "sentencepiece")
+
+
+@pytest.mark.parametrize("damage", ["translation-arch", "foreign-dictionary", "missing-sentencepiece", "non-empty-out"])
+def test_bad_input_is_named_and_leaves_nothing(damage, tmp_path):
+    checkpoint, data_bin, _ = tiny_checkpoint(tmp_path / "lm", "moa_lm_small")
+    out_dir, extra = tmp_path / "out" / "hf", []
+    (tmp_path / "out").mkdir()
+    if damage == "translation-arch":
+        state = torch.load(checkpoint, weights_only=True)
+        state["cfg"]["model"].arch = "moa_small"
+        torch.save(state, checkpoint)
+        expected = "is not exported"
+    elif damage == "foreign-dictionary":
+        dictionary_of_size(VOCAB + 8).save(os.path.join(data_bin, "dict.txt"))
+        expected = "give the data-bin the model was trained on"
+    elif damage == "missing-sentencepiece":
+        extra = ["--sentencepiece-model", str(tmp_path / "nowhere.model")]
+        expected = "no such sentencepiece model"
+    else:
+        out_dir.mkdir()
+        (out_dir / "keep.txt").write_text("a user's file\n")
+        expected = "exists and is not empty"
+    before = sorted(os.listdir(tmp_path / "out"))
+    proc = run_cli("moa-export-hf", checkpoint, data_bin, str(out_dir), *extra, check=False)
+    assert proc.returncode == 1 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path / "out")) == before  # no temporary folder, no half-written OUT_DIR
+    if damage == "non-empty-out":
+        assert os.listdir(out_dir) == ["keep.txt"]
