@@ -8,6 +8,7 @@ attention layers it imports (and, for sentencepiece data, :mod:`moa.tokenization
 models are exported (``transformer_lm``, ``moa_lm``, ``moh_lm``, ``switchhead_lm`` and their archs).
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -163,6 +164,9 @@ def export(checkpoint: str, data_bin: str, out_dir: str, sentencepiece_model: st
     args = state.get("args") or (state.get("cfg") or {}).get("model")
     if args is None:
         raise ToolError(f"{checkpoint} records no model arguments: it was not written by fairseq-train")
+    if isinstance(args, dict):  # a dataclass model's config (fairseq's transformer_lm): its arch is _name
+        args = argparse.Namespace(**args)
+        args.arch = getattr(args, "arch", None) or getattr(args, "_name", None)
     family = model_family(args)
     weights = state["model"]
     rows = weights["decoder.embed_tokens.weight"].shape[0]

@@ -93,3 +93,37 @@ def test_a_trained_transformer_lm_converts_to_moh_exactly_at_every_head(lm, tmp_
     partial = str(tmp_path / "moh75.pt")
     run_cli("moa-convert-moh", original, "--shared-heads", "2", "--top-k", "1", "--router", "query-norm", "--out", partial)
     assert eval_lm(partial, lm["data"])[0] != eval_lm(original, lm["data"])[0]
+
+
+@pytest.mark.parametrize("name", ["moa", "switchhead", "transformer"])
+def test_exported_lm_gives_fairseq_eval_lms_perplexity(lm, name, tmp_path):
+    """moa-export-hf on the trained LM: the transformers model's perplexity over fairseq-eval-lm's blocks of the
+    test split (64 tokens, each predicted from the block's earlier tokens and the one before it) is
+    fairseq-eval-lm's within 0.1%."""
+    import math
+
+    import torch
+    from fairseq.data import Dictionary, data_utils
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = str(lm["work"] / name / "checkpoint_last.pt")
+    out = run_cli("fairseq-eval-lm", lm["data"], "--user-dir", os.path.join(ROOT, "moa"), "--path", checkpoint,
+                  "--task", "language_modeling", "--gen-subset", "test", "--tokens-per-sample", "64",
+                  "--context-window", "0", "--batch-size", "4", "--cpu")
+    fairseq_bits = float(re.search(r"Loss \(base 2\): ([\d.]+)", out.stdout + out.stderr).group(1))
+    run_cli("moa-export-hf", checkpoint, lm["data"], str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    dictionary = Dictionary.load(os.path.join(lm["data"], "dict.txt"))
+    lines = data_utils.load_indexed_dataset(os.path.join(lm["data"], "test"), dictionary)
+    stream = torch.cat([lines[i] for i in range(len(lines))]).long()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(stream), 64):
+            target = stream[start:start + 64]
+            source = torch.cat([stream.new([dictionary.eos()]) if start == 0 else stream[start - 1:start],
+                                target[:-1]])
+            logprobs = model(source[None]).logits[0].float().log_softmax(-1)
+            total -= float(logprobs.gather(1, target[:, None]).sum())
+            count += len(target)
+    bits = total / count / math.log(2)
+    assert abs(2 ** bits / 2 ** fairseq_bits - 1) < 1e-3, (bits, fairseq_bits)
