@@ -90,8 +90,8 @@ class DecoderLayer(nn.Module):
         if config.family == "transformer":
             self.self_attn = MultiheadSelfAttention(d, config.attention_heads, config.attention_dropout)
         else:
-            self.self_attn = ATTENTION[config.family](d, **config.layer_attention(layer), dropout=config.attention_dropout,
-                                                      self_attention=True)
+            self.self_attn = ATTENTION[config.family](d, **config.layer_attention(layer),
+                                                      dropout=config.attention_dropout, self_attention=True)
         self.self_attn_layer_norm, self.final_layer_norm = nn.LayerNorm(d), nn.LayerNorm(d)
         self.fc1, self.fc2 = nn.Linear(d, config.ffn_dim), nn.Linear(config.ffn_dim, d)
         self.activation = F.gelu if config.activation_fn.startswith("gelu") else F.relu

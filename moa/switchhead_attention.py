@@ -124,9 +124,10 @@ class SwitchHeadAttention(RoutedAttention):
             else:
                 plan = HeadExpertDispatch(routing.selected, self.num_heads, self.num_experts, src_len, bsz)
                 gates = routing.gates.reshape(-1)[plan.order]
-                return keys, expert_linear(rows, self.v_experts.weight, None, plan.token, plan.head_row, plan.counts,
-                                           bsz * self.num_heads * src_len, scale=gates, expert_dim=1,
-                                           experts=plan.expert, scale_output=True).view(bsz, self.num_heads, src_len, self.head_dim)
+                values = expert_linear(rows, self.v_experts.weight, None, plan.token, plan.head_row, plan.counts,
+                                       bsz * self.num_heads * src_len, scale=gates, expert_dim=1, experts=plan.expert,
+                                       scale_output=True)
+                return keys, values.view(bsz, self.num_heads, src_len, self.head_dim)
         return keys, values.reshape(src_len, bsz, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
 
     def head_outputs(self, query, key, key_padding_mask=None, attn_mask=None):
