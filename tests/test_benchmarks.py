@@ -63,7 +63,8 @@ def test_quick_benchmark_reports_every_module(tmp_path):
     for row in moh.values():
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ratio"] > 0
     small = {r["arch"]: r for r in report["small"]}  # the Multi30k shape, whole models side by side
-    assert list(small) == ["transformer", "moa_small", "moh_small", "moh_small/query-norm"]
+    assert list(small) == ["transformer", "moa_small", "moh_small", "moh_small/query-norm", "switchhead_small",
+                           "switchhead_small/1H2K7E64D"]
     assert small["transformer"]["train_ratio"] == small["transformer"]["decode_ratio"] == 1.0
     for row in small.values():
         assert row["train_ms"] > 0 and row["decode_ms"] > 0 and row["peak_mb"] > row["saved_activations_mb"] > 0
@@ -294,11 +295,13 @@ def test_quick_lm_decoding_benchmark_reports_every_model_and_the_cache_ratios(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     decode = {(r["model_id"], r["context"]): r for r in report["decode"]}
-    assert {model for model, _ in decode} == {"transformer", "moa", "moh-75", "moh-50", "moh-50-all-heads"}
+    assert {model for model, _ in decode} == {"transformer", "moa", "moh-75", "moh-50", "moh-50-all-heads", "switchhead"}
     for (model, context), row in decode.items():
         assert row["ms_per_token"] > 0 and row["kv_allocated_mb"] >= row["kv_cache_mb"] > 0
-        # one shared K/V head of 64 against four; MoH caches every head, as the Transformer does
-        assert row["kv_ratio"] == pytest.approx(0.25 if model == "moa" else 1.0, abs=0.01)
+        # one shared K/V head of 64 against four; SwitchHead two heads of 56 against four of 64; MoH caches every
+        # head, as the Transformer does
+        expected = {"moa": 64 / 256, "switchhead": 2 * 56 / 256}.get(model, 1.0)
+        assert row["kv_ratio"] == pytest.approx(expected, abs=0.01)
     assert decode[("transformer", 64)]["time_ratio"] == 1.0
     module = {r["module_id"]: r for r in report["module"]}
     assert module["mha"]["macs_ratio"] == 1.0
