@@ -73,7 +73,7 @@ def main(argv=None):
     parser.add_argument("--workdir", required=True, help="the --workdir of a benchmarks.multi30k.equal_time run")
     parser.add_argument("--pair", default="en-de", choices=["en-de", "en-fr"])
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--sentences", type=int, default=256, help="test sentences in the speed measurement")
+    parser.add_argument("--sentences", type=int, default=128, help="test sentences in the speed measurement")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--smoke", action="store_true",
                         help="k = 1 and the trained setting only, 16 sentences, 1 round, MACs on 20 pairs")
