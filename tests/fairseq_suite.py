@@ -10,7 +10,8 @@ files that do not need it. ``--tests`` takes a checkout's ``tests/`` folder inst
 repository has ``utils.py``). "With the plugin" imports ``moa`` first in every process, through a
 ``sitecustomize`` on ``PYTHONPATH``, so that processes the tests spawn load it too. Prints a table
 per file (passed / failed / skipped, without and with) and exits 1 when a test that passes without
-the plugin does not pass with it.
+the plugin does not pass with it; ``--out FILE`` also writes the table, with what made it, to FILE
+(benchmarks/dev/results/fairseq-suite.md is the documentation's).
 """
 
 import argparse
@@ -71,6 +72,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tests", help="a tests/ folder (default: fetched from the package index)")
     parser.add_argument("--files", nargs="+", default=SELF_CONTAINED, help="test files or folders under tests/")
+    parser.add_argument("--out", help="also write the table and what made it to this Markdown file")
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="fairseq-suite-")
     tests = os.path.abspath(args.tests) if args.tests else fetch_tests(work)
@@ -83,24 +85,36 @@ def main(argv=None):
         name = "/".join(parts[:depth + 1]) + ".py"  # e.g. distributed/test_utils.py
         by_file[name][("without", without.get(test, "missing"))] += 1
         by_file[name][("with", with_plugin.get(test, "missing"))] += 1
-    print("| file | without the plugin: passed / failed / skipped | with it: passed / failed / skipped |")
-    print("|---|---|---|")
+    lines = ["| file | without the plugin: passed / failed / skipped | with it: passed / failed / skipped |", "|---|---|---|"]
     totals = collections.Counter()
     for name, counts in sorted(by_file.items()):
         totals.update(counts)
         cells = [" / ".join(str(counts[(side, o)]) for o in ("passed", "failed", "skipped")) for side in ("without", "with")]
-        print(f"| {name} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
     cells = [" / ".join(str(totals[(side, o)]) for o in ("passed", "failed", "skipped")) for side in ("without", "with")]
-    print(f"| all | {cells[0]} | {cells[1]} |")
+    lines.append(f"| all | {cells[0]} | {cells[1]} |")
     broken = [t for t, outcome in without.items() if outcome == "passed" and with_plugin.get(t) != "passed"]
     mended = [t for t, outcome in without.items() if outcome == "failed" and with_plugin.get(t) == "passed"]
-    print(f"\n{len(mended)} of fairseq's failures pass with the plugin; {len(broken)} passing tests fail with it")
-    for test in broken:
-        print(f"  broken by the plugin: {test}")
+    lines.append(f"\n{len(mended)} of fairseq's failures pass with the plugin; {len(broken)} passing tests fail with it")
+    lines += [f"  broken by the plugin: {test}" for test in broken]
+    print("\n".join(lines))
+    if args.out and without:
+        write_record(args.out, lines, argv)
     if not without:
         print("no test ran", file=sys.stderr)
         return 1
     return 1 if broken else 0
+
+
+def write_record(out: str, lines, argv) -> None:
+    """The table in ``out``, headed by the selection and closed by what made it (command, commit, versions)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.harness.results import provenance, provenance_line, write_atomically
+
+    run = provenance("dev", sys.argv[1:] if argv is None else argv)
+    run["command"] = run["command"].replace("python -m benchmarks.dev", ".venv/bin/python tests/fairseq_suite.py", 1)
+    head = "fairseq's own tests (fairseq-fixed), each file run without and with `import moa` done first in every process."
+    write_atomically(out, "\n".join([head, "", *lines, "", "- " + provenance_line(run)]) + "\n")
 
 
 if __name__ == "__main__":
