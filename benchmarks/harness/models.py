@@ -2,7 +2,8 @@
 
 :data:`SHAPES`: the Multi30k shape (``small``: d_model 256, 3+3 layers, 4 heads of 64, 8,000 symbols)
 and the base shape (``models``: 6+6 layers, d_model 512, 32,768 symbols), each with the archs timed
-there (the first is the reference), the batch, the length and the beam's sentences.
+there (the first is the reference), the batch, the length and the beam's sentences; ``experts``: MoA's
+expert counts at the Multi30k shape.
 """
 
 import os
@@ -21,6 +22,9 @@ SHAPES = {  # name -> archs, extra flags, dictionary size, batch, length, beam s
                "switchhead_small/1H2K7E64D"),
               SMALL + ["--dropout", "0.3", "--attention-dropout", "0.1"], 8000, 128, 16, 32),
     "models": (("transformer_wmt_en_de", "moa_base", "moh_base", "switchhead_base"), [], 32768, 64, 32, 16),
+    # MoA at k = 4 with 8 (moa_small), 4, 16 and 32 experts: the converged study's more-experts rows
+    "experts": (("moa_small", "moa_small/4E", "moa_small/16E", "moa_small/32E"),
+                SMALL + ["--dropout", "0.3", "--attention-dropout", "0.1"], 8000, 128, 16, 32),
 }
 VARIANTS = {  # model name -> (arch, its flags)
     # what moa-convert-moh makes of the Transformer at 75% of the heads with the parameter-free router
@@ -28,6 +32,7 @@ VARIANTS = {  # model name -> (arch, its flags)
     # SwitchHead at the Transformer's parameters (the converged study's switchhead-params)
     "switchhead_small/1H2K7E64D": ("switchhead_small", ["--switchhead-heads", "1", "--switchhead-experts", "7",
                                                         "--switchhead-top-k", "2", "--switchhead-head-dim", "64"]),
+    **{f"moa_small/{e}E": ("moa_small", ["--moa-experts", str(e)]) for e in (4, 16, 32)},
 }
 
 

@@ -9,7 +9,8 @@ Sections: ``modules`` (MoA modules at d_model 512 against fairseq's 8x64 attenti
 backward, against a float32 matmul peak, with the share of time that is not the GEMMs and attention and
 the authors' layer design), ``moh`` (MoH at 75% and 50% of 16 heads, routed and dense-masked),
 ``crossover`` (each routed path against its dense alternative by size), ``small`` and ``models`` (whole
-models at the Multi30k and base shapes: training step, beam-4 decoding, K/V cache, peak memory).
+models at the Multi30k and base shapes: training step, beam-4 decoding, K/V cache, peak memory) and
+``experts`` (the same for MoA with 4 to 32 experts at the Multi30k shape).
 What each measures: benchmarks/speed/README.md. A partial run keeps the other sections of --out.
 """
 
@@ -35,7 +36,7 @@ from fairseq.modules.multihead_attention import MultiheadAttention
 from moa.moa_attention import MixtureOfAttentionHeads
 from moa.moh_attention import MixtureOfHeadsAttention
 
-SECTIONS = ("modules", "moh", "crossover", "small", "models")
+SECTIONS = ("modules", "moh", "crossover", "small", "experts", "models")
 D_MODEL = 512
 MOA_CONFIGS = {"8K8E128D": (8, 8, 128), "16K32E256D": (32, 16, 256), "2K8E64D": (8, 2, 64), "4K16E64D": (16, 4, 64)}
 MOH_D_MODEL, MOH_HEADS = 1024, 16
@@ -324,6 +325,7 @@ def markdown(report):
                          f"{r['dense_ms']:.2f}", f"{r['sparse_ms']:.2f}", f"{r['sparse_over_dense']:.2f}"]
                         for r in report["crossover"]])
     for section, title in (("small", "Multi30k shape (d_model 256, 3+3 layers, 4 heads of 64, 8,000 symbols)"),
+                           ("experts", "MoA's expert count at the Multi30k shape (k = 4, D = 64; moa_small has 8)"),
                            ("models", "base shapes (d_model 512, 6+6 layers, 32,768 symbols)")):
         if report.get(section):
             r0 = report[section][0]
@@ -353,7 +355,7 @@ def markdown(report):
 def main(argv=None):
     parser = study_parser("speed.models_and_modules", __doc__)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="a few shapes, 2 repeats and rounds, no base models")
+    parser.add_argument("--quick", action="store_true", help="a few shapes, 2 repeats and rounds, no base models or expert counts")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the whole-model sections")
     parser.add_argument("--profile", metavar="DIR", help="also profile one training step and one decoding of each "
@@ -368,7 +370,7 @@ def main(argv=None):
         return memory_child(*args.memory_child, device)
     repeats = 2 if args.quick else args.repeats
     out = args.out or study_results("speed", "cpu", f"{device.type}{'-quick' if args.quick else ''}.json")
-    sections = [s for s in args.sections if not (args.quick and s == "models")]
+    sections = [s for s in args.sections if not (args.quick and s in ("experts", "models"))]
     report = sectioned_report(out, sections, SECTIONS, provenance("speed.models_and_modules", argv))
     report.update({"device": device.type, "torch": torch.__version__, "threads": torch.get_num_threads(),
                    "machine": (torch.cuda.get_device_name() if device.type == "cuda" else
@@ -386,7 +388,7 @@ def main(argv=None):
         report["moh"] = moh_grid(device, repeats, [(512, 1)] if args.quick else [(512, 4), (2048, 1)])
     if "crossover" in sections:
         report["crossover"] = crossover(device, repeats, (32, 512) if args.quick else (32, 128, 512, 2048, 8192))
-    for shape in ("small", "models"):
+    for shape in ("small", "experts", "models"):
         if shape in sections:
             report[shape] = side_by_side(shape, device, 2 if args.quick else args.rounds, args.profile)
     write_result(out, report, markdown(report) + "\n\n" + runs_lines(report))
