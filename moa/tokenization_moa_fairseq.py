@@ -32,6 +32,8 @@ class FairseqSentencePieceTokenizer(PreTrainedTokenizer):
                 if line.endswith(" #fairseq:overwrite"):
                     line = line[: -len(" #fairseq:overwrite")]
                 self.symbols.append(line.rsplit(" ", 1)[0])
+        if kwargs.get("mask_token"):  # a masked LM's: fairseq's masked_lm task adds it after the dictionary
+            self.symbols.append(str(kwargs["mask_token"]))
         self.ids = {symbol: i for i, symbol in enumerate(self.symbols)}
         self.vocab_file, self.sentencepiece_file = vocab_file, sentencepiece_file
         self.spm = sentencepiece.SentencePieceProcessor(model_file=sentencepiece_file)

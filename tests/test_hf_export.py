@@ -176,14 +176,14 @@ def test_sentencepiece_tokenizer_encodes_raw_text_to_fairseqs_ids(tmp_path):
                                                                                    "sentencepiece")
 
 
-@pytest.mark.parametrize("damage", ["translation-arch", "foreign-dictionary", "missing-sentencepiece", "non-empty-out"])
+@pytest.mark.parametrize("damage", ["unknown-arch", "foreign-dictionary", "missing-sentencepiece", "non-empty-out"])
 def test_bad_input_is_named_and_leaves_nothing(damage, tmp_path):
     checkpoint, data_bin, _ = tiny_checkpoint(tmp_path / "lm", "moa_lm_small")
     out_dir, extra = tmp_path / "out" / "hf", []
     (tmp_path / "out").mkdir()
-    if damage == "translation-arch":
+    if damage == "unknown-arch":
         state = torch.load(checkpoint, weights_only=True)
-        state["cfg"]["model"].arch = "moa_small"
+        state["cfg"]["model"].arch = "lstm"
         torch.save(state, checkpoint)
         expected = "is not exported"
     elif damage == "foreign-dictionary":
@@ -202,3 +202,129 @@ def test_bad_input_is_named_and_leaves_nothing(damage, tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == before  # no temporary folder, no half-written OUT_DIR
     if damage == "non-empty-out":
         assert os.listdir(out_dir) == ["keep.txt"]
+
+
+TRANSLATION_TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
+                    "--encoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+                    "--dropout", "0.1", "--attention-dropout", "0.1"]
+TRANSLATION_FAMILIES = {
+    "transformer": ["--encoder-normalize-before", "--decoder-normalize-before"],  # the dense twin, pre-norm
+    "moa_small": ["--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8", "--moa-router-init", "normal"],
+    "moa_small/self-only": ["--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8",
+                            "--moa-attention-types", "encoder-self,decoder-self"],  # dense cross-attention
+    "moh_small": ["--moh-shared-heads", "1", "--moh-top-k", "2"],
+    "switchhead_small": ["--switchhead-experts", "4", "--switchhead-top-k", "2", "--switchhead-head-dim", "8"],
+}
+BEAM = dict(beam=4, lenpen=0.6, max_len_b=20)  # the exported defaults but a short maximum (random weights)
+
+TRANSLATION_CHILD = r'''
+import importlib.abc, sys
+import torch
+
+class Unimportable(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("fairseq", "moa", "moa_tools"):
+            raise ImportError(f"{name}: not installed in this process")
+
+sys.meta_path.insert(0, Unimportable())
+from transformers import AutoModelForSeq2SeqLM
+
+folder, tensors_file, out_file = sys.argv[1:4]
+model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+t = torch.load(tensors_file, weights_only=True)
+with torch.no_grad():
+    out = model(t["source"], labels=t["target"])
+    hypotheses = model.generate(t["source"], max_len_b=20, num_return_sequences=2)
+    lenpen_1 = model.generate(t["source"], max_len_b=20, length_penalty=1.0)
+torch.save({"logits": out.logits, "lm_loss": out.lm_loss, "aux_loss": out.aux_loss, "hypotheses": hypotheses,
+            "lenpen_1": lenpen_1,
+            "num_beams": model.generation_config.num_beams, "length_penalty": model.generation_config.length_penalty},
+           out_file)
+'''
+
+
+def tiny_translation_checkpoint(folder, arch, seed=0):
+    """A fairseq checkpoint of a freshly built translation ``arch`` on a joined en-de dictionary; returns
+    (checkpoint, data_bin, the fairseq model)."""
+    from argparse import Namespace
+
+    torch.manual_seed(seed)
+    args = model_args(arch.split("/")[0], TRANSLATION_TINY + TRANSLATION_FAMILIES[arch])
+    dictionary = dictionary_of_size(VOCAB)
+    model = build_from_args(args, dictionary)
+    for module in model.modules():  # routers that route tokens apart
+        if hasattr(module, "router") and hasattr(module.router, "parameters"):
+            for p in module.router.parameters():
+                torch.nn.init.normal_(p, std=1.0)
+    with torch.no_grad():  # a large EOS row, so that hypotheses end at different lengths (some at the maximum)
+        model.decoder.embed_tokens.weight[dictionary.eos()] *= 3
+    data_bin = folder / "data-bin"
+    data_bin.mkdir(parents=True)
+    for lang in ("en", "de"):
+        dictionary.save(str(data_bin / f"dict.{lang}.txt"))
+    checkpoint = folder / "checkpoint.pt"
+    torch.save({"cfg": {"model": args, "task": Namespace(source_lang="en", target_lang="de")},
+                "model": model.state_dict()}, checkpoint)
+    return str(checkpoint), str(data_bin), model.eval(), dictionary
+
+
+def fairseq_beam(model, dictionary, source, **settings):
+    """fairseq-generate's hypotheses (token lists, best first) for right-padded ``source``, fed as fairseq
+    feeds it (left-padded)."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    lengths = source.ne(1).sum(1)
+    left = torch.full_like(source, 1)
+    for i, n in enumerate(lengths.tolist()):
+        left[i, source.size(1) - n:] = source[i, :n]
+    generator = SequenceGenerator([model], dictionary, beam_size=settings["beam"], len_penalty=settings["lenpen"],
+                                  max_len_b=settings["max_len_b"])
+    sample = {"net_input": {"src_tokens": left, "src_lengths": lengths}}
+    return [[h["tokens"].tolist() for h in hyps] for hyps in generator.generate([model], sample)]
+
+
+@pytest.mark.parametrize("arch", list(TRANSLATION_FAMILIES))
+def test_exported_translation_model_gives_fairseqs_log_probabilities_and_beam_hypotheses(arch, tmp_path):
+    """Loaded where fairseq and moa cannot be imported: teacher-forced log-probabilities within 1e-4 of
+    fairseq's, and generate() (the exported beam 4, length penalty 0.6) gives fairseq's SequenceGenerator's
+    hypotheses, the best two of each sentence, token for token; with length penalty 1.0 too, which changes
+    MoA's hypotheses (the comparison sees the length penalty)."""
+    checkpoint, data_bin, model, dictionary = tiny_translation_checkpoint(tmp_path, arch)
+    out_dir = tmp_path / "hf"
+    proc = run_cli("moa-export-hf", checkpoint, data_bin, str(out_dir))
+    assert "translation model" in proc.stdout and "AutoModelForSeq2SeqLM" in proc.stdout
+    torch.manual_seed(1)
+    source = torch.randint(4, VOCAB, (12, 9))
+    source[:, -1] = 2
+    for i, n in enumerate([9, 5, 7, 3]):  # shorter sentences, right-padded
+        source[i, n - 1], source[i, n:] = 2, 1
+    target = torch.randint(4, VOCAB, (12, 7))
+    target[:, -1] = 2
+    target[0, 4], target[0, 5:] = 2, 1
+    torch.save({"source": source, "target": target}, tmp_path / "tensors.pt")
+    child = subprocess.run([sys.executable, "-c", TRANSLATION_CHILD, str(out_dir), str(tmp_path / "tensors.pt"),
+                            str(tmp_path / "out.pt")], capture_output=True, text=True, cwd=str(tmp_path))
+    assert child.returncode == 0, child.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert (got["num_beams"], got["length_penalty"]) == (4, 0.6)
+    prev = torch.cat([torch.full((12, 1), 2), target[:, :-1]], 1)
+    prev[0, 5] = 1  # fairseq's prev_output_tokens: EOS, the target without its EOS, padding
+    with torch.no_grad():
+        expected = model(source, source.ne(1).sum(1), prev)[0]
+    real = target.ne(1)
+    difference = (got["logits"].log_softmax(-1) - expected.log_softmax(-1)).abs()[real]
+    assert difference.max() < 1e-4, difference.max()
+    assert (float(got["aux_loss"]) > 0) == (not arch.startswith(("transformer", "switchhead")))
+    beams = fairseq_beam(model, dictionary, source, **BEAM)
+    rows = got["hypotheses"].tolist()
+    for i, hypotheses in enumerate(beams):
+        for j in range(2):
+            row = rows[2 * i + j]
+            assert row[0] == 2
+            ours = row[1: row.index(2, 1) + 1]
+            assert ours == hypotheses[j], (i, j, ours, hypotheses[j])
+    assert min(len(h[0]) for h in beams) <= BEAM["max_len_b"]  # EOS decides, not the maximum length alone
+    unpenalised = fairseq_beam(model, dictionary, source, **dict(BEAM, lenpen=1.0))
+    assert [row[1: row.index(2, 1) + 1] for row in got["lenpen_1"].tolist()] == [h[0] for h in unpenalised]
+    if arch == "moa_small":
+        assert unpenalised != beams

@@ -4,13 +4,14 @@
 
 OUT_DIR gets ``config.json``, ``model.safetensors``, ``generation_config.json``, the tokenizer (fairseq's
 dictionary ids; with --sentencepiece-model, the data's sentencepiece model too, so that raw text encodes
-as the recipes encode it) and the modelling code, registered through ``auto_map``: it loads with torch,
-transformers and sentencepiece alone, ``AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True)``
-and ``AutoTokenizer.from_pretrained(OUT_DIR, trust_remote_code=True)``; ``trust_remote_code`` runs the Python
-files in OUT_DIR. Language
-models are exported (transformer_lm, moa_lm, moh_lm and switchhead_lm archs). The checkpoint is read with
-the safe loader; OUT_DIR must be new or empty, and is written through a temporary folder moved into place,
-so a failed export leaves nothing. Guide: docs/hugging-face.md.
+as the recipes encode it) and the modelling code, registered through ``auto_map``. It loads with torch,
+transformers and sentencepiece alone (``trust_remote_code`` runs the Python files in OUT_DIR):
+``AutoModelForCausalLM`` (language models), ``AutoModelForSeq2SeqLM`` (translation models on a joined
+dictionary; ``generate`` is fairseq-generate's beam search) or ``AutoModelForMaskedLM`` (RoBERTa)
+``.from_pretrained(OUT_DIR, trust_remote_code=True)``, and ``AutoTokenizer.from_pretrained(OUT_DIR,
+trust_remote_code=True)``. Dense, MoA, MoH and SwitchHead models are exported, and moa-convert-moh's output.
+The checkpoint is read with the safe loader; OUT_DIR must be new or empty, and is written through a
+temporary folder moved into place, so a failed export leaves nothing. Guide: docs/hugging-face.md.
 """
 
 import argparse
@@ -23,8 +24,8 @@ from moa_tools import ToolError, run_tool
 def _main(argv) -> int:
     parser = argparse.ArgumentParser(prog="moa-export-hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a fairseq-train checkpoint of a language-model arch")
-    parser.add_argument("data_bin", help="the data-bin the model was trained on (its dict.txt)")
+    parser.add_argument("checkpoint", help="a fairseq-train checkpoint (language model, translation model or masked LM)")
+    parser.add_argument("data_bin", help="the data-bin the model was trained on (its dict.txt, or dict.SRC.txt for translation)")
     parser.add_argument("out_dir", help="the folder to write (new or empty)")
     parser.add_argument("--sentencepiece-model", metavar="SPM",
                         help="the sentencepiece model the data was encoded with (the recipes': DATA/spm/spm.model); "
@@ -41,8 +42,8 @@ def _main(argv) -> int:
     from moa_tools.hf_export import export
 
     written = export(args.checkpoint, args.data_bin, args.out_dir, args.sentencepiece_model)
-    print(f"{args.out_dir}: {written['family']} language model, {', '.join(written['files'])}")
-    print(f"load: AutoModelForCausalLM.from_pretrained({args.out_dir!r}, trust_remote_code=True)")
+    print(f"{args.out_dir}: {written['family']} {written['kind']}, {', '.join(written['files'])}")
+    print(f"load: {written['auto']}.from_pretrained({args.out_dir!r}, trust_remote_code=True)")
     return 0
 
 
