@@ -240,7 +240,8 @@ def export(checkpoint: str, data_bin: str, out_dir: str, sentencepiece_model: st
     work = tempfile.mkdtemp(prefix=".moa-export-", dir=parent)
     try:
         model.save_pretrained(work, safe_serialization=True)
-        model.generation_config.save_pretrained(work)
+        if getattr(model, "generation_config", None) is not None:  # a masked LM generates nothing
+            model.generation_config.save_pretrained(work)
         if sentencepiece_model is None:
             word_tokenizer(dictionary, kind == "masked LM").save_pretrained(work)
         else:

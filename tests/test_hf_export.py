@@ -115,12 +115,13 @@ def test_the_comparison_sees_another_model(tmp_path):
         assert (exported(tokens).logits.log_softmax(-1) - other(tokens)[0].log_softmax(-1)).abs().max() > 1e-2
 
 
-def test_trainer_fine_tunes_an_exported_moa_model(tmp_path):
-    """transformers.Trainer on the exported model: the loss (cross-entropy plus MoA's alpha L_a + beta L_z)
-    falls over a few steps on a repeated batch, and the routing is in the outputs."""
+@pytest.mark.parametrize("arch", ["moa_lm_small", "moh_lm_small"])
+def test_trainer_fine_tunes_an_exported_moa_and_moh_model(arch, tmp_path):
+    """transformers.Trainer on the exported model: the loss (cross-entropy plus MoA's alpha L_a + beta L_z,
+    MoH's beta L_b) falls over a few steps on a repeated batch, and the routing is in the outputs."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    checkpoint, data_bin, _ = tiny_checkpoint(tmp_path, "moa_lm_small")
+    checkpoint, data_bin, _ = tiny_checkpoint(tmp_path, arch)
     run_cli("moa-export-hf", checkpoint, data_bin, str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
     torch.manual_seed(2)
@@ -141,7 +142,8 @@ def test_trainer_fine_tunes_an_exported_moa_model(tmp_path):
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses
     out = model(rows[:2], labels=rows[:2])
-    assert out.routing and out.routing[0].family == "MoA" and out.aux_loss > 0
+    assert out.routing and out.routing[0].family == arch[:3].replace("moa", "MoA").replace("moh", "MoH")
+    assert out.aux_loss > 0
 
 
 def test_sentencepiece_tokenizer_encodes_raw_text_to_fairseqs_ids(tmp_path):
@@ -328,3 +330,73 @@ def test_exported_translation_model_gives_fairseqs_log_probabilities_and_beam_hy
     assert [row[1: row.index(2, 1) + 1] for row in got["lenpen_1"].tolist()] == [h[0] for h in unpenalised]
     if arch == "moa_small":
         assert unpenalised != beams
+
+
+@pytest.mark.parametrize("arch", ["moa_lm_small", "moh_lm_small", "switchhead_lm_small", "transformer_lm_small"])
+def test_language_model_generate_runs_on_the_key_value_cache(arch, tmp_path):
+    """transformers' generate (greedy and beam 3) on the cache gives what it gives running the whole prefix each
+    step (fairseq's logits, checked above); MoA's cache holds its one shared key/value head, (B, T, D)."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, data_bin, _ = tiny_checkpoint(tmp_path, arch)
+    run_cli("moa-export-hf", checkpoint, data_bin, str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True).eval()
+    torch.manual_seed(4)
+    prompt = torch.randint(4, VOCAB, (2, 5))
+    for beams in (1, 3):
+        settings = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, num_beams=beams, pad_token_id=1)
+        cached = model.generate(prompt, **settings)
+        assert cached.shape == (2, 17)
+        assert torch.equal(cached, model.generate(prompt, use_cache=False, **settings))
+    with torch.no_grad():
+        out = model(prompt, cache={})
+    assert out.cache["length"] == 5
+    if arch == "moa_lm_small":
+        keys = [v["prev_key"] for k, v in out.cache.items() if k != "length" and "prev_key" in v]
+        assert len(keys) == 2 and all(k.dim() == 3 and k.shape[0] == 2 and k.shape[2] == 8 for k in keys)
+    step = model(torch.cat([prompt, prompt[:, :1]], 1), cache=out.cache).logits
+    full = model(torch.cat([prompt, prompt[:, :1]], 1)).logits
+    assert step.shape == (2, 1, VOCAB) and (step[:, 0] - full[:, -1]).abs().max() < 1e-5
+
+
+MLM_FAMILIES = {"roberta": [], "moa_roberta_small": ["--moa-experts", "4", "--moa-top-k", "2", "--moa-head-dim", "8"],
+                "moh_roberta_small": ["--moh-shared-heads", "1", "--moh-top-k", "2"]}
+MLM_TINY = ["--encoder-layers", "2", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+            "--encoder-attention-heads", "4", "--dropout", "0.1", "--attention-dropout", "0.1", "--max-positions", "64"]
+MLM_CHILD = CHILD.replace("AutoModelForCausalLM", "AutoModelForMaskedLM").replace(
+    "out = model(tokens, labels=tokens)", "out = model(tokens, labels=tokens.masked_fill(tokens.ne(VOCAB - 1), -100))"
+).replace("import torch\n", "import torch\nVOCAB = int(sys.argv[4])\n", 1)
+
+
+@pytest.mark.parametrize("arch", list(MLM_FAMILIES))
+def test_exported_masked_lm_gives_fairseqs_logits(arch, tmp_path):
+    """A RoBERTa masked LM (its dictionary plus the task's <mask>), loaded without fairseq or moa: logits within
+    1e-4 of fairseq's, the loss over the masked positions, <mask> the tokenizer's mask token."""
+    from fairseq.data import Dictionary
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(0)
+    args = model_args(arch, MLM_TINY + MLM_FAMILIES[arch])
+    dictionary = dictionary_of_size(VOCAB - 1)
+    data_bin = tmp_path / "data-bin"
+    data_bin.mkdir()
+    dictionary.save(str(data_bin / "dict.txt"))
+    mask = dictionary.add_symbol("<mask>")
+    model = build_from_args(args, dictionary).eval()
+    torch.save({"cfg": {"model": args}, "model": model.state_dict()}, tmp_path / "checkpoint.pt")
+    proc = run_cli("moa-export-hf", str(tmp_path / "checkpoint.pt"), str(data_bin), str(tmp_path / "hf"))
+    assert "masked LM" in proc.stdout
+    tokens = torch.randint(4, VOCAB - 1, (3, 12))
+    tokens[:, 3], tokens[:, -1], tokens[1, -3:] = mask, 2, 1
+    torch.save(tokens, tmp_path / "tokens.pt")
+    child = subprocess.run([sys.executable, "-c", MLM_CHILD, str(tmp_path / "hf"), str(tmp_path / "tokens.pt"),
+                            str(tmp_path / "out.pt"), str(VOCAB)], capture_output=True, text=True, cwd=str(tmp_path))
+    assert child.returncode == 0, child.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    with torch.no_grad():
+        expected = model(tokens)[0]
+    assert (got["logits"] - expected).abs()[tokens.ne(1)].max() < 1e-4
+    nll = torch.nn.functional.cross_entropy(expected[:, 3], tokens[:, 3])
+    assert abs(float(got["lm_loss"]) - float(nll)) < 1e-5
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tokenizer.mask_token_id == mask == len(Dictionary.load(str(data_bin / "dict.txt")))
