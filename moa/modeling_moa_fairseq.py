@@ -39,7 +39,6 @@ from .routed_attention import RoutedAttention
 from .switchhead_attention import SwitchHeadAttention
 
 ATTENTION = {"moa": MixtureOfAttentionHeads, "moh": MixtureOfHeadsAttention, "switchhead": SwitchHeadAttention}
-AUX_WEIGHTS = {"moa_alpha": 0.01, "moa_beta": 0.001, "moh_beta": 0.01}  # the plugin criteria's defaults
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_accurate": lambda x: F.gelu(x, approximate="tanh"), "tanh": torch.tanh}
 
@@ -279,7 +278,7 @@ class MoaFairseqPreTrainedModel(PreTrainedModel):
             logits_, labels = (logits[:, :-1], labels[:, 1:]) if shift else (logits, labels)
             target = labels.masked_fill(labels.eq(self.config.pad_token_id), -100)
             lm_loss = F.cross_entropy(logits_.float().reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=-100)
-            aux = routing_aux_loss(routing, AUX_WEIGHTS, logits.new_zeros((), dtype=torch.float32))
+            aux = routing_aux_loss(routing, self.config.aux_weights, logits.new_zeros((), dtype=torch.float32))
             loss = lm_loss + aux
         return MoaModelOutput(loss=loss, logits=logits, lm_loss=lm_loss, aux_loss=aux, routing=routing, cache=cache)
 

@@ -95,7 +95,16 @@ def stack_config(stack, args, side: str, pad: int) -> dict:
                 self_attention=recorded("self_attn"), cross_attention=recorded("encoder_attn"))
 
 
-def hf_config(args, model, kind: str, family: str, vocab_size: int, pad: int):
+def aux_weights(state: dict) -> dict:
+    """The routers' loss weights of the checkpoint's criterion (``--moa-alpha``, ``--moa-beta``, ``--moh-beta``),
+    where it records them."""
+    criterion = (state.get("cfg") or {}).get("criterion") or state.get("args")
+    read = (lambda name: criterion.get(name)) if isinstance(criterion, dict) else \
+        (lambda name: getattr(criterion, name, None))
+    return {name: read(name) for name in ("moa_alpha", "moa_beta", "moh_beta") if read(name) is not None}
+
+
+def hf_config(args, model, kind: str, family: str, vocab_size: int, pad: int, weights: dict):
     """The :class:`~moa.configuration_moa_fairseq.MoaFairseqConfig` of a fairseq ``model`` built from a
     checkpoint's ``args``."""
     from moa.configuration_moa_fairseq import MoaFairseqConfig
@@ -115,7 +124,7 @@ def hf_config(args, model, kind: str, family: str, vocab_size: int, pad: int):
         layernorm_embedding=first.layernorm_embedding is not None, scale_embedding=first.embed_scale != 1.0,
         token_positions=first.embed_positions is not None,
         share_all_embeddings=bool(getattr(args, "share_all_embeddings", False)) and kind == "translation model",
-        lm_head=kind == "masked LM",
+        lm_head=kind == "masked LM", aux_weights=weights,
         tie_word_embeddings=kind == "masked LM" and not getattr(args, "untie_weights_roberta", False) or
         kind != "masked LM" and bool(getattr(args, "share_decoder_input_output_embed", False) or
                                      getattr(args, "share_all_embeddings", False)),
@@ -131,20 +140,25 @@ def dictionary_file(data_bin: str, state: dict, kind: str) -> str:
         if not os.path.isfile(path):
             raise ToolError(f"{data_bin} has no dict.txt: give the data-bin the model was trained on")
         return path
-    task = (state.get("cfg") or {}).get("task") or state.get("args")
-    langs = [getattr(task, f"{side}_lang", None) if not isinstance(task, dict) else task.get(f"{side}_lang")
-             for side in ("source", "target")]
-    if None in langs:
-        found = sorted(f for f in os.listdir(data_bin) if f.startswith("dict.") and f.endswith(".txt"))
-        langs = [f[len("dict."):-len(".txt")] for f in found[:2]]
-    paths = [os.path.join(data_bin, f"dict.{lang}.txt") for lang in langs]
-    if len(paths) != 2 or not all(os.path.isfile(p) for p in paths):
+    paths = [os.path.join(data_bin, f"dict.{lang}.txt") for lang in translation_languages(data_bin, state)]
+    if not all(os.path.isfile(p) for p in paths):
         raise ToolError(f"{data_bin} has no dict.SRC.txt and dict.TGT.txt: give the data-bin the model was trained on")
     with open(paths[0], "rb") as a, open(paths[1], "rb") as b:
         if a.read() != b.read():
             raise ToolError(f"{paths[0]} and {paths[1]} differ: moa-export-hf exports translation models on one "
                             "joined dictionary (fairseq-preprocess --joined-dictionary, as the recipes make them)")
     return paths[0]
+
+
+def translation_languages(data_bin: str, state: dict):
+    """(source, target) language of a translation checkpoint: its task's, or as fairseq infers them from the
+    data-bin's file names when the task left them out."""
+    from fairseq.data.data_utils import infer_language_pair
+
+    task = (state.get("cfg") or {}).get("task") or state.get("args")
+    langs = [task.get(f"{side}_lang") if isinstance(task, dict) else getattr(task, f"{side}_lang", None)
+             for side in ("source", "target")]
+    return tuple(langs) if None not in langs else infer_language_pair(data_bin)
 
 
 def word_tokenizer(dictionary, mask: bool):
@@ -220,7 +234,7 @@ def export(checkpoint: str, data_bin: str, out_dir: str, sentencepiece_model: st
     build_args = copy.deepcopy(args)  # the plain modules: no checkpointing wrapper, no compilation
     build_args.checkpoint_activations = build_args.offload_activations = build_args.compile_routed_attention = False
     fairseq_model = build_from_args(build_args, dictionary)
-    config = hf_config(args, fairseq_model, kind, family, len(dictionary), dictionary.pad())
+    config = hf_config(args, fairseq_model, kind, family, len(dictionary), dictionary.pad(), aux_weights(state))
     import moa.modeling_moa_fairseq as modeling
 
     model = getattr(modeling, KINDS[kind][1])(config)

@@ -293,3 +293,24 @@ def test_compiled_routed_attention_trains_and_generates_as_eager(trained, tmp_pa
     assert len(compiled_hyps) == TEST_SENTENCES
     same = sum(a.split("\t")[2] == b.split("\t")[2] for a, b in zip(compiled_hyps, eager_hyps))
     assert same >= TEST_SENTENCES - 1  # float32 kernels may tip one close beam
+
+
+def test_exported_model_translates_as_fairseq_generate_does(trained, tmp_path):
+    """benchmarks.hf_export on the trained model: transformers' generate(), in a process where fairseq and moa
+    cannot be imported, gives fairseq-generate's hypothesis of every test sentence token for token, and the
+    exported tokenizer encodes the raw source lines to the data-bin's ids."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    out = tmp_path / "result"
+    subprocess.run([sys.executable, "-m", "benchmarks.hf_export", "--name", "e2e", "--checkpoint",
+                    os.path.join(trained["ckpt"], "checkpoint_last.pt"), "--data-bin", trained["data_bin"],
+                    "--raw-source", os.path.join(trained["raw"], "test.en"), "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
+    report = json.loads((tmp_path / "result.json").read_text())
+    assert report["sentences"] == TEST_SENTENCES
+    assert report["tokenizer_ids_equal"] == report["hypotheses_equal"] == report["texts_equal"] == TEST_SENTENCES
+    assert report["fairseq_seconds"] > 0 and report["generate_seconds"] > 0

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 import moa  # noqa: E402,F401
 from moa.models.build import build_from_args, dictionary_of_size, model_args  # noqa: E402
+from moa.models.routed_transformer import pop_named_routings  # noqa: E402
 
 TINY = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
         "--decoder-attention-heads", "4", "--dropout", "0.1", "--attention-dropout", "0.1"]
@@ -28,6 +29,7 @@ FAMILIES = {
     "switchhead_lm_small": ["--switchhead-experts", "4", "--switchhead-top-k", "2", "--switchhead-head-dim", "8"],
 }
 VOCAB = 48
+CRITERION = {"_name": "moa_cross_entropy", "moa_alpha": 0.02, "moa_beta": 0.003, "moh_beta": 0.05}  # not the defaults
 
 CHILD = r'''
 import importlib.abc, sys
@@ -66,7 +68,7 @@ def tiny_checkpoint(folder, arch, seed=0):
     data_bin.mkdir(parents=True)
     dictionary.save(str(data_bin / "dict.txt"))
     checkpoint = folder / "checkpoint.pt"
-    torch.save({"cfg": {"model": args}, "model": model.state_dict()}, checkpoint)
+    torch.save({"cfg": {"model": args, "criterion": CRITERION}, "model": model.state_dict()}, checkpoint)
     return str(checkpoint), str(data_bin), model.eval()
 
 
@@ -98,8 +100,14 @@ def test_exported_model_loads_without_fairseq_and_gives_fairseq_log_probabilitie
     target = tokens[:, 1:]
     nll = torch.nn.functional.cross_entropy(expected[:, :-1].reshape(-1, VOCAB), target.reshape(-1), ignore_index=1)
     assert abs(float(got["lm_loss"]) - float(nll)) < 1e-5
-    learned_router = arch.startswith(("moa", "moh")) and "query-norm" not in arch  # the others add nothing
-    assert (float(got["aux_loss"]) > 0) == learned_router
+    # the routers' terms, weighted as the checkpoint's criterion weighs them (MoA: per module; MoH: the mean)
+    routings = [r for _, r in pop_named_routings(model)]
+    moa = [CRITERION["moa_alpha"] * r.load_balancing_loss + CRITERION["moa_beta"] * r.router_z_loss
+           for r in routings if r.family == "MoA"]
+    moh = [r.balance_loss for r in routings if r.family == "MoH" and r.balance_loss is not None]
+    expected_aux = float(sum(moa)) + (CRITERION["moh_beta"] * float(torch.stack(moh).mean()) if moh else 0.0)
+    assert abs(float(got["aux_loss"]) - expected_aux) < 1e-6
+    assert (expected_aux > 0) == (arch.startswith(("moa", "moh")) and "query-norm" not in arch)
 
 
 def test_the_comparison_sees_another_model(tmp_path):
