@@ -34,8 +34,6 @@ CHECKED_ONLY = {
     ("docs/distributed-and-checkpoints.md", "examples/translation/train-wmt14.sh"): "8 or 16 GPUs and WMT14",
     ("docs/distributed-and-checkpoints.md", "torchrun"): "elided arguments; test_distributed_training runs it",
     ("docs/gpus-and-precision.md", "bash benchmarks/dev/gpu_check.sh"): "a CUDA GPU",
-    ("docs/hugging-face.md", "moa-export-hf checkpoints/lm/checkpoint_best.pt DATA/"): "a sentencepiece LM; "
-                                                                                       "test_hf_export runs it",
     ("docs/language-models.md", "moa-convert-moh"): "converts a transformer_lm; test_lm_cli runs it",
     ("docs/language-models.md", "fairseq-train data-bin --user-dir moa --task language_modeling PRINTED"): "elided",
     ("docs/training-and-decoding.md", "examples/translation/prepare-wmt14"): "downloads WMT14",
@@ -56,7 +54,9 @@ SANDBOX = {
                   "test.de": "multi30k-en-de/raw/test_2016_flickr.de", "checkpoints/mlm": "mlm-checkpoint",
                   "checkpoints/lm": "lm-checkpoint", "wikitext-103": "lm", "wikitext-103-lm": "lm"},
     "docs/converting-to-moh.md": {"data-bin": "multi30k-en-de/data-bin", "checkpoints/transformer": "transformer"},
-    "docs/hugging-face.md": {"wikitext-103-lm": "lm", "checkpoints/lm": "lm-checkpoint"},
+    "docs/hugging-face.md": {"wikitext-103-lm": "lm", "wikitext-103": "lm", "checkpoints/lm": "lm-checkpoint",
+                             "checkpoints/mlm": "mlm-checkpoint", "multi30k-en-de": "multi30k-en-de",
+                             "checkpoints/checkpoint_best.pt": "moa/checkpoint_best.pt"},
     "docs/language-models.md": {"data-bin": "lm/data-bin"},
     "docs/training-and-decoding.md": {"data-bin": "multi30k-en-de/data-bin", "moa.pt": "moa/checkpoint_last.pt",
                                       "moh.pt": "moh/checkpoint_last.pt",
@@ -262,6 +262,11 @@ def test_page_commands_run_as_written(page, made, tmp_path):
     assert all("▁" not in line and "@@" not in line for line in plain), (page, [p for p in plain if "▁" in p][:5])
     if re.search(r"fairseq-(generate|interactive)", script) and "language_modeling" not in script:
         assert any(line.strip() for line in decoded), f"{page}: nothing decoded\n{proc.stdout[-2000:]}"
+    if page in ("README.md", "docs/hugging-face.md"):  # the exported model translates, from transformers
+        for block in re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, page), encoding="utf-8").read(), re.S):
+            if "AutoModelForSeq2SeqLM" in block:
+                run = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True)
+                assert run.returncode == 0 and run.stdout.startswith("['"), (page, run.stderr[-3000:])
     if page == "docs/training-and-decoding.md":  # the page's own sentence, from Python as from fairseq-interactive
         import moa.hub
 

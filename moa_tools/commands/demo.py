@@ -6,9 +6,9 @@ Runs the stock fairseq CLIs (``fairseq-preprocess``, ``fairseq-train``,
 detokenised output against the plain-text references with sacreBLEU, and ends with
 ``moa-analyze`` on the trained model. Every step writes into ``--workdir``.
 
-The BLEU it prints is the same from run to run on one machine, but differs by about a point between
-CPUs: the floating-point kernels of the CPU and its BLAS differ, and 400 updates of training carry
-the difference into the model. README gives the range measured.
+The BLEU it prints is the same from run to run on one machine, but moves between CPUs: the
+floating-point kernels of the CPU and its BLAS differ, and 400 updates of training carry the
+difference into the model.
 """
 
 import argparse
