@@ -1,17 +1,18 @@
-"""moa-export-hf on language models: the exported folder loads with transformers in a process where fairseq
-and moa cannot be imported, and gives the fairseq model's log-probabilities (within 1e-4) for every family
-(dense, MoA, MoH, SwitchHead); a forward with labels returns the training objective; transformers' Trainer
-fine-tunes the exported model; bad inputs are named errors that leave nothing behind."""
+"""moa-export-hf: the exported folder loads with transformers in a process where fairseq and moa cannot be
+imported and gives the fairseq model's outputs for every family (dense, MoA, MoH, SwitchHead): language models'
+log-probabilities (within 1e-4) and generate on the key/value cache, translation models' teacher-forced
+log-probabilities and fairseq-generate's beam hypotheses, masked LMs' logits; a forward with labels returns the
+training objective (the checkpoint's criterion's weights); transformers' Trainer fine-tunes MoA and MoH; the
+sentencepiece tokenizer gives fairseq's ids; bad inputs are named errors that leave nothing behind."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, run_cli
+from benchmarks.harness.isolation import run_without_fairseq
+from helpers import run_cli
 
 pytest.importorskip("transformers")
 
@@ -32,15 +33,8 @@ VOCAB = 48
 CRITERION = {"_name": "moa_cross_entropy", "moa_alpha": 0.02, "moa_beta": 0.003, "moh_beta": 0.05}  # not the defaults
 
 CHILD = r'''
-import importlib.abc, sys
+import sys
 import torch
-
-class Unimportable(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("fairseq", "moa", "moa_tools"):
-            raise ImportError(f"{name}: not installed in this process")
-
-sys.meta_path.insert(0, Unimportable())
 from transformers import AutoModelForCausalLM
 
 folder, tokens_file, out_file = sys.argv[1:4]
@@ -52,18 +46,25 @@ torch.save({"logits": out.logits, "lm_loss": out.lm_loss, "aux_loss": out.aux_lo
 '''
 
 
-def tiny_checkpoint(folder, arch, seed=0):
-    """A fairseq checkpoint of a freshly built ``arch`` (its arguments as fairseq-train saves them) and its
-    data-bin's dict.txt; returns (checkpoint, data_bin, the fairseq model)."""
+def built(arch, flags, seed):
+    """The fairseq model of ``arch`` (``/...`` a variant) with ``flags`` on a dictionary of VOCAB symbols, its
+    routers drawn wide so that they route tokens apart; returns (args, dictionary, model)."""
     torch.manual_seed(seed)
-    args = model_args(arch.split("/")[0], TINY + FAMILIES[arch])
+    args = model_args(arch.split("/")[0], flags)
     args.tokens_per_sample = args.max_target_positions = 64
     dictionary = dictionary_of_size(VOCAB)
     model = build_from_args(args, dictionary)
-    for module in model.modules():  # routers that route tokens apart
+    for module in model.modules():
         if hasattr(module, "router") and hasattr(module.router, "parameters"):
             for p in module.router.parameters():
                 torch.nn.init.normal_(p, std=1.0)
+    return args, dictionary, model
+
+
+def tiny_checkpoint(folder, arch, seed=0):
+    """A fairseq checkpoint of a freshly built ``arch`` (its arguments as fairseq-train saves them) and its
+    data-bin's dict.txt; returns (checkpoint, data_bin, the fairseq model)."""
+    args, dictionary, model = built(arch, TINY + FAMILIES[arch], seed)
     data_bin = folder / "data-bin"
     data_bin.mkdir(parents=True)
     dictionary.save(str(data_bin / "dict.txt"))
@@ -87,8 +88,8 @@ def test_exported_model_loads_without_fairseq_and_gives_fairseq_log_probabilitie
     tokens = torch.randint(4, VOCAB, (3, 20))
     tokens[1, -4:] = 1  # padding at the end of a shorter line, as fairseq pads
     torch.save(tokens, tmp_path / "tokens.pt")
-    child = subprocess.run([sys.executable, "-c", CHILD, str(out_dir), str(tmp_path / "tokens.pt"),
-                            str(tmp_path / "out.pt")], capture_output=True, text=True, cwd=str(tmp_path))
+    child = run_without_fairseq(CHILD, str(out_dir), str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"),
+                                cwd=str(tmp_path))
     assert child.returncode == 0, child.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     with torch.no_grad():
@@ -102,10 +103,11 @@ def test_exported_model_loads_without_fairseq_and_gives_fairseq_log_probabilitie
     assert abs(float(got["lm_loss"]) - float(nll)) < 1e-5
     # the routers' terms, weighted as the checkpoint's criterion weighs them (MoA: per module; MoH: the mean)
     routings = [r for _, r in pop_named_routings(model)]
-    moa = [CRITERION["moa_alpha"] * r.load_balancing_loss + CRITERION["moa_beta"] * r.router_z_loss
-           for r in routings if r.family == "MoA"]
-    moh = [r.balance_loss for r in routings if r.family == "MoH" and r.balance_loss is not None]
-    expected_aux = float(sum(moa)) + (CRITERION["moh_beta"] * float(torch.stack(moh).mean()) if moh else 0.0)
+    moa_terms = [CRITERION["moa_alpha"] * r.load_balancing_loss + CRITERION["moa_beta"] * r.router_z_loss
+                 for r in routings if r.family == "MoA"]
+    moh_terms = [r.balance_loss for r in routings if r.family == "MoH" and r.balance_loss is not None]
+    expected_aux = float(sum(moa_terms)) + (CRITERION["moh_beta"] * float(torch.stack(moh_terms).mean())
+                                            if moh_terms else 0.0)
     assert abs(float(got["aux_loss"]) - expected_aux) < 1e-6
     assert (expected_aux > 0) == (arch.startswith(("moa", "moh")) and "query-norm" not in arch)
 
@@ -228,15 +230,8 @@ TRANSLATION_FAMILIES = {
 BEAM = dict(beam=4, lenpen=0.6, max_len_b=20)  # the exported defaults but a short maximum (random weights)
 
 TRANSLATION_CHILD = r'''
-import importlib.abc, sys
+import sys
 import torch
-
-class Unimportable(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("fairseq", "moa", "moa_tools"):
-            raise ImportError(f"{name}: not installed in this process")
-
-sys.meta_path.insert(0, Unimportable())
 from transformers import AutoModelForSeq2SeqLM
 
 folder, tensors_file, out_file = sys.argv[1:4]
@@ -258,14 +253,7 @@ def tiny_translation_checkpoint(folder, arch, seed=0):
     (checkpoint, data_bin, the fairseq model)."""
     from argparse import Namespace
 
-    torch.manual_seed(seed)
-    args = model_args(arch.split("/")[0], TRANSLATION_TINY + TRANSLATION_FAMILIES[arch])
-    dictionary = dictionary_of_size(VOCAB)
-    model = build_from_args(args, dictionary)
-    for module in model.modules():  # routers that route tokens apart
-        if hasattr(module, "router") and hasattr(module.router, "parameters"):
-            for p in module.router.parameters():
-                torch.nn.init.normal_(p, std=1.0)
+    args, dictionary, model = built(arch, TRANSLATION_TINY + TRANSLATION_FAMILIES[arch], seed)
     with torch.no_grad():  # a large EOS row, so that hypotheses end at different lengths (some at the maximum)
         model.decoder.embed_tokens.weight[dictionary.eos()] *= 3
     data_bin = folder / "data-bin"
@@ -312,8 +300,8 @@ def test_exported_translation_model_gives_fairseqs_log_probabilities_and_beam_hy
     target[:, -1] = 2
     target[0, 4], target[0, 5:] = 2, 1
     torch.save({"source": source, "target": target}, tmp_path / "tensors.pt")
-    child = subprocess.run([sys.executable, "-c", TRANSLATION_CHILD, str(out_dir), str(tmp_path / "tensors.pt"),
-                            str(tmp_path / "out.pt")], capture_output=True, text=True, cwd=str(tmp_path))
+    child = run_without_fairseq(TRANSLATION_CHILD, str(out_dir), str(tmp_path / "tensors.pt"), str(tmp_path / "out.pt"),
+                                cwd=str(tmp_path))
     assert child.returncode == 0, child.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     assert (got["num_beams"], got["length_penalty"]) == (4, 0.6)
@@ -397,8 +385,8 @@ def test_exported_masked_lm_gives_fairseqs_logits(arch, tmp_path):
     tokens = torch.randint(4, VOCAB - 1, (3, 12))
     tokens[:, 3], tokens[:, -1], tokens[1, -3:] = mask, 2, 1
     torch.save(tokens, tmp_path / "tokens.pt")
-    child = subprocess.run([sys.executable, "-c", MLM_CHILD, str(tmp_path / "hf"), str(tmp_path / "tokens.pt"),
-                            str(tmp_path / "out.pt"), str(VOCAB)], capture_output=True, text=True, cwd=str(tmp_path))
+    child = run_without_fairseq(MLM_CHILD, str(tmp_path / "hf"), str(tmp_path / "tokens.pt"), str(tmp_path / "out.pt"),
+                                str(VOCAB), cwd=str(tmp_path))
     assert child.returncode == 0, child.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     with torch.no_grad():

@@ -17,24 +17,17 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
+from benchmarks.harness.isolation import run_without_fairseq
 from benchmarks.harness.results import provenance, provenance_line, study_parser, study_results, table, write_result
 from moa_tools import USER_DIR, fairseq_command, run_logged
 from moa_tools.textio import read_lines
 
 BATCH = 128
 HF_SIDE = r'''
-import importlib.abc, json, sys, time
+import json, time
 import torch
-
-class Unimportable(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("fairseq", "moa", "moa_tools"):
-            raise ImportError(f"{name}: not installed in this process")
-
-sys.meta_path.insert(0, Unimportable())
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 folder, inputs, out = sys.argv[1:4]
@@ -110,8 +103,10 @@ def main(argv=None):
                                  else []), check=True, capture_output=True)
         with open(os.path.join(work, "job.json"), "w") as f:
             json.dump({"raw": dict(enumerate(raw)), "batches": batches}, f)
-        subprocess.run([sys.executable, "-c", HF_SIDE, os.path.join(work, "hf"), os.path.join(work, "job.json"),
-                        os.path.join(work, "out.json")], check=True, cwd=work)
+        hf_side = run_without_fairseq(HF_SIDE, os.path.join(work, "hf"), os.path.join(work, "job.json"),
+                                      os.path.join(work, "out.json"), cwd=work)
+        if hf_side.returncode:
+            raise SystemExit(f"the transformers side failed:\n{hf_side.stderr[-3000:]}")
         with open(os.path.join(work, "out.json")) as f:
             hf = json.load(f)
     n = len(reference_ids)
