@@ -388,7 +388,8 @@ class MoaFairseqForConditionalGeneration(MoaFairseqPreTrainedModel, GenerationMi
         each hypothesis (best first) and its EOS, then padding."""
         settings = copy.deepcopy(generation_config or self.generation_config)
         for name, value in kwargs.items():
-            setattr(settings, name, value)
+            if not isinstance(value, Tensor):  # a tokenizer's other outputs (token_type_ids) are not settings
+                setattr(settings, name, value)
         c, pad, eos = self.config, self.config.pad_token_id, self.config.eos_token_id
         beam = min(settings.num_beams or 1, c.vocab_size - 1)
         if attention_mask is not None:

@@ -175,7 +175,8 @@ def word_tokenizer(dictionary, mask: bool):
         single=f"$A {dictionary.eos_word}", special_tokens=[(dictionary.eos_word, dictionary.eos())])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=dictionary.bos_word,
                                    eos_token=dictionary.eos_word, unk_token=dictionary.unk_word,
-                                   pad_token=dictionary.pad_word, **({"mask_token": "<mask>"} if mask else {}))
+                                   pad_token=dictionary.pad_word, model_input_names=["input_ids", "attention_mask"],
+                                   **({"mask_token": "<mask>"} if mask else {}))
 
 
 def sentencepiece_tokenizer(dictionary, dictionary_path: str, sentencepiece_model: str, mask: bool):
