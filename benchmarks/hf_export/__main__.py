@@ -9,13 +9,15 @@ cannot be imported, transformers loads it and its tokenizer, encodes ``--raw-sou
 lines as a user has them) and ``generate()`` (the exported settings) translates them in fairseq's batches and
 order. Reported: the sentences whose tokenizer ids are the data-bin's, whose hypothesis is fairseq's token for
 token, and whose decoded text is fairseq's (``--post-process``); the seconds each spent translating
-(fairseq-generate's own "Translated ... in S s", generate()'s loop) and their ratio. What it found:
+(fairseq-generate's own "Translated ... in S s", generate()'s loop; medians of --rounds, the sides
+alternating) and their ratio. What it found:
 benchmarks/hf_export/README.md.
 """
 
 import json
 import os
 import re
+import statistics
 import subprocess
 import tempfile
 
@@ -84,6 +86,7 @@ def main(argv=None):
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--data-bin", required=True)
     parser.add_argument("--raw-source", required=True, help="the test subset's source lines, one per sentence")
+    parser.add_argument("--rounds", type=int, default=5, help="times each side translates (medians reported)")
     parser.add_argument("--sentencepiece-model", help="the data's sentencepiece model (moa-export-hf's flag)")
     parser.add_argument("--post-process", choices=["none", "sentencepiece"], default="none",
                         help="fairseq's post-processing of its hypotheses, compared with the tokenizer's decode "
@@ -96,19 +99,26 @@ def main(argv=None):
     raw = list(read_lines(args.raw_source))
     assert len(raw) == len(reference_ids), f"{args.raw_source}: {len(raw)} lines, the test subset {len(reference_ids)}"
     with tempfile.TemporaryDirectory() as work:
-        fairseq_hypotheses, batches, fairseq_seconds = fairseq_side(args.checkpoint, args.data_bin,
-                                                                    os.path.join(work, "generate.log"))
         export = [fairseq_command("moa-export-hf"), args.checkpoint, args.data_bin, os.path.join(work, "hf")]
         subprocess.run(export + (["--sentencepiece-model", args.sentencepiece_model] if args.sentencepiece_model
                                  else []), check=True, capture_output=True)
-        with open(os.path.join(work, "job.json"), "w") as f:
-            json.dump({"raw": dict(enumerate(raw)), "batches": batches}, f)
-        hf_side = run_without_fairseq(HF_SIDE, os.path.join(work, "hf"), os.path.join(work, "job.json"),
-                                      os.path.join(work, "out.json"), cwd=work)
-        if hf_side.returncode:
-            raise SystemExit(f"the transformers side failed:\n{hf_side.stderr[-3000:]}")
-        with open(os.path.join(work, "out.json")) as f:
-            hf = json.load(f)
+        fairseq_runs, hf_runs = [], []
+        for _ in range(args.rounds):  # the two sides alternate, one at a time
+            fairseq_runs.append(fairseq_side(args.checkpoint, args.data_bin, os.path.join(work, "generate.log")))
+            with open(os.path.join(work, "job.json"), "w") as f:
+                json.dump({"raw": dict(enumerate(raw)), "batches": fairseq_runs[0][1]}, f)
+            hf_side = run_without_fairseq(HF_SIDE, os.path.join(work, "hf"), os.path.join(work, "job.json"),
+                                          os.path.join(work, "out.json"), cwd=work)
+            if hf_side.returncode:
+                raise SystemExit(f"the transformers side failed:\n{hf_side.stderr[-3000:]}")
+            with open(os.path.join(work, "out.json")) as f:
+                hf_runs.append(json.load(f))
+    fairseq_hypotheses = fairseq_runs[0][0]
+    hf = hf_runs[0]
+    if any(r[0] != fairseq_hypotheses for r in fairseq_runs) or any(r["hypotheses"] != hf["hypotheses"] for r in hf_runs):
+        raise SystemExit("a side's hypotheses changed between rounds")
+    fairseq_seconds = statistics.median(r[2] for r in fairseq_runs)
+    hf_seconds = statistics.median(r["seconds"] for r in hf_runs)
     n = len(reference_ids)
     same_ids = sum(hf["ids"][str(i)] == reference_ids[i] for i in range(n))
     same_tokens = sum(hf["hypotheses"][str(i)] == [dictionary.index(s) for s in fairseq_hypotheses[i]] for i in range(n))
@@ -116,17 +126,22 @@ def main(argv=None):
                     for i in range(n))
     report = {"run": run, "name": args.name, "sentences": n, "tokenizer_ids_equal": same_ids,
               "hypotheses_equal": same_tokens, "texts_equal": same_text, "fairseq_seconds": fairseq_seconds,
-              "generate_seconds": hf["seconds"], "generate_torch_threads": hf["torch_threads"],
+              "generate_seconds": hf_seconds, "rounds": args.rounds,
+              "fairseq_seconds_by_round": [r[2] for r in fairseq_runs],
+              "generate_seconds_by_round": [r["seconds"] for r in hf_runs], "generate_torch_threads": hf["torch_threads"],
               "checkpoint": args.checkpoint, "post_process": args.post_process}
     rows = [[args.name, n, f"{same_ids} ({same_ids / n:.1%})", f"{same_tokens} ({same_tokens / n:.1%})",
-             f"{same_text} ({same_text / n:.1%})", f"{fairseq_seconds:.1f}", f"{hf['seconds']:.1f}",
-             f"{hf['seconds'] / fairseq_seconds:.2f}x"]]
+             f"{same_text} ({same_text / n:.1%})", f"{fairseq_seconds:.2f}", f"{hf_seconds:.2f}",
+             f"{hf_seconds / fairseq_seconds:.2f}x"]]
     text = "\n".join([f"# {args.name}: the exported model against fairseq-generate", "",
                       *table(["model", "test sentences", "tokenizer ids = data-bin's", "hypotheses = fairseq's (ids)",
-                              f"decoded text = fairseq's ({args.post_process})", "fairseq-generate s",
-                              "transformers generate() s", "time ratio"], rows), "",
+                              f"decoded text = fairseq's ({args.post_process})", "fairseq-generate s (median)",
+                              "transformers generate() s (median)", "time ratio"], rows), "",
                       f"Checkpoint: `{args.checkpoint}`. Beam 4, length penalty 0.6, batches of {BATCH} sentences in "
-                      f"fairseq's order, one after the other on the same machine, {hf['torch_threads']} threads.", "",
+                      f"fairseq's order; {args.rounds} rounds, the two sides alternating, one at a time on the same "
+                      f"machine, {hf['torch_threads']} threads (seconds by round: fairseq-generate "
+                      f"{', '.join(f'{r[2]:.2f}' for r in fairseq_runs)}; generate() "
+                      f"{', '.join(f'{seconds:.2f}' for seconds in report['generate_seconds_by_round'])}).", "",
                       provenance_line(run), ""])
     write_result(args.out or study_results("hf_export", args.name), report, text)
     print(text)
