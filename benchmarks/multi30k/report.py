@@ -178,8 +178,8 @@ def plotting():
     return plt
 
 
-def save(figure, path):
-    figure.tight_layout()
+def save(figure, path, rect=None):
+    figure.tight_layout(rect=rect)
     tmp = path + ".tmp.png"
     figure.savefig(tmp, dpi=110)
     figure.clf()
@@ -191,14 +191,16 @@ def frontier(runs, path, x_key, x_label):
     parameters): every run a point (circles seed 1, squares seed 2), the two Transformers (the full and the
     narrow one) joined through their seed means as the dense frontier."""
     plt = plotting()
-    figure, panels = plt.subplots(1, 2, figsize=(12, 5))
+    figure, panels = plt.subplots(1, 2, figsize=(12, 7.5))
     colours = {}
     for axes, (y_label, y) in zip(panels, (("validation NLL (bits per token)", lambda r: r["best_valid_nll"]),
                                            ("sacreBLEU, last 5 epochs averaged", lambda r: r["averaged"]["sacrebleu"]))):
+        labelled = set()
         for r in runs:
             colour = colours.setdefault(r["model"], f"C{len(colours)}")
             axes.scatter(r[x_key] / 1e6, y(r), color=colour, marker="o" if r["seed"] == 1 else "s",
-                         label=f"{r['model']}, seed {r['seed']}")
+                         label=None if r["model"] in labelled else r["model"])
+            labelled.add(r["model"])
         dense = {}
         for r in runs:
             if r["model_id"] in ("transformer", "transformer-narrow"):
@@ -209,9 +211,9 @@ def frontier(runs, path, x_key, x_label):
         axes.set_xlabel(x_label)
         axes.set_ylabel(y_label)
         axes.grid(alpha=0.3)
-    panels[0].legend(fontsize=6)
-    figure.suptitle("Multi30k En-De, trained to convergence: every run")
-    save(figure, path)
+    figure.legend(*panels[0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)  # below: no point hidden
+    figure.suptitle("Multi30k En-De, trained to convergence: every run (circles seed 1, squares seed 2)")
+    save(figure, path, rect=(0, 0.22, 1, 1))
 
 
 def picture(runs, path, title, label, colour_by, dashed):
