@@ -368,6 +368,8 @@ class MoaFairseqForConditionalGeneration(MoaFairseqPreTrainedModel, GenerationMi
         if attention_mask is not None:
             input_ids = input_ids.masked_fill(attention_mask.eq(0), pad)
         if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("give labels (the target) or decoder_input_ids; to translate, call generate()")
             target = labels.masked_fill(labels.eq(-100), pad)
             decoder_input_ids = torch.cat([target.new_full((target.size(0), 1), self.config.decoder_start_token_id),
                                            target[:, :-1]], dim=1)
