@@ -19,7 +19,7 @@ setup(
         "tensorboardX",  # fairseq's --tensorboard-logdir
     ],
     extras_require={
-        "test": ["pytest", "transformers>=5", "safetensors", "accelerate>=1.1"],
+        "test": ["pytest", "pytest-xdist", "transformers>=5", "safetensors", "accelerate>=1.1"],
         "hf": ["transformers>=5", "safetensors", "accelerate>=1.1"],  # moa-export-hf; accelerate for transformers' Trainer
         "fsdp": ["fairscale==0.4.13"],  # --ddp-backend fully_sharded, on CUDA GPUs
     },

@@ -1,7 +1,17 @@
 """pytest's fixtures for the whole suite; what the tests share otherwise is in ``helpers.py``."""
 
-import pytest
-import torch
+import os
+
+# Under pytest-xdist (the slow set runs with ``-n 2``) the workers share the cores: each one, and every CLI it
+# starts (they inherit the variable), computes on one thread, so that two workers do not oversubscribe them.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    torch.set_num_threads(1)  # in case torch was imported before this file
 
 from helpers import TINY, build_model
 

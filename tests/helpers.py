@@ -1,8 +1,9 @@
 """What the tests share: building MoA and MoH models in-process, running the real CLIs, the shared data.
 
 The default run (``pytest tests``) is the fast in-process set; tests marked ``slow`` (subprocess
-CLIs, recipes, benchmark smoke runs) run with ``pytest -m slow tests``. ``pytest.ini`` puts the
-repository root on the path, so ``benchmarks`` imports as a package (tests may use its harness).
+CLIs, recipes, benchmark smoke runs) run with ``pytest -m slow -n 2 --dist loadfile tests``.
+``pytest.ini`` puts the repository root on the path, so ``benchmarks`` imports as a package (tests may
+use its harness).
 """
 
 import math

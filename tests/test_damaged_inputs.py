@@ -66,7 +66,9 @@ def made(tmp_path_factory):
     for split, name in (("train", "train"), ("valid", "val"), ("test", "test_2016_flickr")):
         for lang in ("en", "de"):
             shutil.copyfile(f"{raw}/{split}.{lang}", mirror / f"{name}.{lang}")
-    run_cli("moa-corpus", "spm-train", "--model-prefix", str(work / "spm"), "--vocab-size", "100", f"{raw}/train.en")
+    # a sentencepiece model records the paths it was trained from: relative ones keep its bytes, and so the byte
+    # that "a byte flipped" flips, the same wherever the test runs (a pytest-xdist worker's folder is longer)
+    run_cli("moa-corpus", "spm-train", "--model-prefix", "spm", "--vocab-size", "100", "raw/train.en", cwd=str(work))
     return {"work": work, "raw": raw, "mt": mt, "lm": lm, "mt_ckpt": str(work / "mt-ckpt" / "checkpoint_last.pt"),
             "lm_ckpt": str(work / "lm-ckpt" / "checkpoint_last.pt"), "mirror": str(mirror),
             "spm": str(work / "spm.model")}
