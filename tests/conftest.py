@@ -2,16 +2,15 @@
 
 import os
 
-# Under pytest-xdist (the slow set runs with ``-n 2``) the workers share the cores: each one, and every CLI it
-# starts (they inherit the variable), computes on one thread, so that two workers do not oversubscribe them.
+import pytest
+import torch
+
+# Under pytest-xdist (the slow set runs with ``-n 2``) the workers share the cores: each one computes on one
+# thread, and so does every CLI it starts (they inherit the variable), so that two workers do not oversubscribe
+# them.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-if "PYTEST_XDIST_WORKER" in os.environ:
-    torch.set_num_threads(1)  # in case torch was imported before this file
+    torch.set_num_threads(1)
 
 from helpers import TINY, build_model
 
